@@ -1,0 +1,3 @@
+"""kvtier: a tiered, content-addressed KV-cache store for LLM inference engines."""
+
+__version__ = "0.1.0"

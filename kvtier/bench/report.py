@@ -1,0 +1,165 @@
+"""Benchmark results: rows, the stdout table and the JSON form shared by every `kvtier bench` suite.
+
+JSON form (fixed across suites; tools parse it)::
+
+    {"suite": str, "rows": [{"case": str, "metric": str, "unit": str, "kvtier": float,
+                             "baseline_name": str, "baseline": float, "ratio": float,
+                             "kvtier_spread": float, "baseline_spread": float}]}
+
+``ratio`` is kvtier / baseline for throughputs ("higher is better" metrics) and
+baseline / kvtier for latencies, so a ratio above 1 always means kvtier is ahead.
+``*_spread`` is (max - min) / median of the repetitions, a fraction: how noisy the figure is.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+
+@dataclass(slots=True)
+class Row:
+    """One measured figure next to its baseline."""
+
+    case: str
+    metric: str
+    unit: str
+    kvtier: float
+    baseline_name: str
+    baseline: float
+    ratio: float
+    kvtier_spread: float = 0.0
+    baseline_spread: float = 0.0
+
+
+@dataclass(slots=True)
+class SuiteResult:
+    """All rows of one suite run."""
+
+    suite: str
+    rows: list[Row] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"suite": self.suite, "rows": [asdict(r) for r in self.rows]}
+
+
+@dataclass(slots=True)
+class Samples:
+    """Repeated measurements of one quantity."""
+
+    values: list[float]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.values) if self.values else math.nan
+
+    @property
+    def spread(self) -> float:
+        med = self.median
+        if not self.values or med == 0 or math.isnan(med):
+            return 0.0
+        return (max(self.values) - min(self.values)) / abs(med)
+
+
+def throughput_row(case: str, metric: str, unit: str, kv: Samples, base_name: str, base: Samples) -> Row:
+    """A row where higher is better (GB/s, ops/s): ratio = kvtier / baseline."""
+    ratio = kv.median / base.median if base.median else math.nan
+    return Row(case, metric, unit, kv.median, base_name, base.median, ratio, kv.spread, base.spread)
+
+
+def latency_row(case: str, metric: str, unit: str, kv: Samples, base_name: str, base: Samples) -> Row:
+    """A row where lower is better (ms, µs): ratio = baseline / kvtier."""
+    ratio = base.median / kv.median if kv.median else math.nan
+    return Row(case, metric, unit, kv.median, base_name, base.median, ratio, kv.spread, base.spread)
+
+
+def alternate(
+    kvtier_fn: Callable[[], float],
+    baseline_fn: Callable[[], float],
+    *,
+    repetitions: int,
+    warmup: int = 1,
+) -> tuple[Samples, Samples]:
+    """Run kvtier and the baseline alternately (ABAB…) after a warm-up, so drift and noise on a
+    shared machine hit both alike. Each callable returns one measurement (e.g. GB/s)."""
+    for _ in range(warmup):
+        kvtier_fn()
+        baseline_fn()
+    kv: list[float] = []
+    base: list[float] = []
+    for i in range(repetitions):
+        # Swap the order every other repetition so neither side always runs "second".
+        if i % 2 == 0:
+            kv.append(kvtier_fn())
+            base.append(baseline_fn())
+        else:
+            base.append(baseline_fn())
+            kv.append(kvtier_fn())
+    return Samples(kv), Samples(base)
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    """Decimal gigabytes per second."""
+    return nbytes / seconds / 1e9 if seconds > 0 else math.inf
+
+
+class Timer:
+    """`with Timer() as t: ...; t.seconds` using the monotonic performance counter."""
+
+    __slots__ = ("start", "seconds")
+
+    def __enter__(self) -> "Timer":
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds = time.perf_counter() - self.start
+
+
+def format_table(result: SuiteResult) -> str:
+    """A fixed-width table of the rows, for stdout."""
+    head = ("case", "metric", "unit", "kvtier", "baseline", "base value", "ratio", "spread k/b")
+    lines = [head]
+    for r in result.rows:
+        lines.append(
+            (
+                r.case,
+                r.metric,
+                r.unit,
+                f"{r.kvtier:.4g}",
+                r.baseline_name,
+                f"{r.baseline:.4g}",
+                f"{r.ratio:.3f}",
+                f"{r.kvtier_spread:.0%}/{r.baseline_spread:.0%}",
+            )
+        )
+    widths = [max(len(str(row[i])) for row in lines) for i in range(len(head))]
+    out = [f"suite: {result.suite}"]
+    for n, row in enumerate(lines):
+        out.append("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
+        if n == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def emit(results: Sequence[SuiteResult], *, json_path: str | None, stream: TextIO = sys.stdout) -> None:
+    """Print every suite's table; write the JSON file when asked (one suite: the object itself,
+    several: a list of them)."""
+    for res in results:
+        print(format_table(res), file=stream)
+        print(file=stream)
+    if json_path:
+        payload = results[0].to_json() if len(results) == 1 else [r.to_json() for r in results]
+        Path(json_path).write_text(json.dumps(payload, indent=2) + "\n")
+
+
+def progress(msg: str) -> None:
+    """Progress goes to stderr so stdout stays a clean table."""
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)

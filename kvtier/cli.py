@@ -1,0 +1,50 @@
+"""The `kvtier` command line."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from kvtier import __version__
+from kvtier.bench import SUITES
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser("bench", help="measure kvtier next to its baselines")
+    suites = bench.add_subparsers(dest="suite", required=True, metavar="SUITE")
+    for name, module_path in SUITES.items():
+        mod = importlib.import_module(module_path)
+        p = suites.add_parser(name, help=mod.DESCRIPTION, description=mod.DESCRIPTION)
+        p.add_argument("--quick", action="store_true", help="CI-sized run: small sizes, few repetitions")
+        p.add_argument("--repetitions", type=int, default=None, help="repetitions per figure (median reported)")
+        p.add_argument("--json", metavar="FILE", default=None, help="also write the rows as JSON")
+        mod.add_arguments(p)
+        p.set_defaults(func=_run_bench, module=mod)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from kvtier.bench.report import emit
+
+    result = args.module.run(args)
+    emit([result], json_path=args.json)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvtier", description="kvtier KV-cache store")
+    parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_bench(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""Small shared types of the store. Torch-free, I/O-free."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import NewType
+
+NS_ID_LEN = 16
+"""Bytes in a namespace id (SPEC.md §2)."""
+
+BlockKey = NewType("BlockKey", bytes)
+"""``ns_id (16 bytes) || chain_hash`` — one block, globally. The same bytes are the RocksDB key."""
+
+
+def make_key(ns_id: bytes, chain_hash: bytes) -> BlockKey:
+    """Pack a namespace id and a chain hash into one key."""
+    return BlockKey(ns_id + chain_hash)
+
+
+def split_key(key: BlockKey) -> tuple[bytes, bytes]:
+    """Inverse of :func:`make_key`."""
+    return key[:NS_ID_LEN], key[NS_ID_LEN:]
+
+
+class Tier(enum.IntEnum):
+    """Where a block lives, fastest first. The value orders tiers: lower is faster."""
+
+    GPU = 0
+    HOST = 1
+    DISK = 2
+    REMOTE = 3
+
+    @property
+    def medium(self) -> str:
+        """The medium name used in KV events (vLLM's GPU / CPU / STORAGE)."""
+        return _MEDIUM[self]
+
+
+_MEDIUM = {Tier.GPU: "GPU", Tier.HOST: "CPU", Tier.DISK: "STORAGE", Tier.REMOTE: "REMOTE"}
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """A byte range in one memory segment of a tier: what a client maps and copies into or out of."""
+
+    segment: int  # index of the segment in the tier's segment list
+    offset: int  # byte offset inside the segment
+    length: int  # bytes usable by the block (the allocator may reserve more; see Allocation)

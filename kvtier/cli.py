@@ -11,17 +11,21 @@ from kvtier import __version__
 from kvtier.bench import SUITES
 
 
-def _add_bench(sub: argparse._SubParsersAction) -> None:
+def _add_bench(sub: argparse._SubParsersAction, argv: Sequence[str]) -> None:
     bench = sub.add_parser("bench", help="measure kvtier next to its baselines")
     suites = bench.add_subparsers(dest="suite", required=True, metavar="SUITE")
-    for name, module_path in SUITES.items():
-        mod = importlib.import_module(module_path)
-        p = suites.add_parser(name, help=mod.DESCRIPTION, description=mod.DESCRIPTION)
+    # Import only the suite named on the command line: its flags are needed to parse, the others'
+    # are not, and their imports (torch, RocksDB, ...) would only cost time.
+    chosen = argv[1] if len(argv) > 1 and argv[0] == "bench" else None
+    for name, (module_path, help_text) in SUITES.items():
+        p = suites.add_parser(name, help=help_text, description=help_text)
         p.add_argument("--quick", action="store_true", help="CI-sized run: small sizes, few repetitions")
         p.add_argument("--repetitions", type=int, default=None, help="repetitions per figure (median reported)")
         p.add_argument("--json", metavar="FILE", default=None, help="also write the rows as JSON")
-        mod.add_arguments(p)
-        p.set_defaults(func=_run_bench, module=mod)
+        if name == chosen:
+            mod = importlib.import_module(module_path)
+            mod.add_arguments(p)
+            p.set_defaults(func=_run_bench, module=mod)
 
 
 def _run_bench(args: argparse.Namespace) -> int:
@@ -32,16 +36,17 @@ def _run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvtier", description="kvtier KV-cache store")
     parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    _add_bench(sub)
+    _add_bench(sub, argv)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)
 

@@ -7,12 +7,14 @@ Each suite is a module exposing::
     def run(args: argparse.Namespace) -> SuiteResult             # measure, return rows
 
 Common flags (added by the CLI for every suite): ``--quick`` (CI-sized), ``--repetitions N``,
-``--json FILE``. Suites are imported lazily so one suite's dependencies never slow another.
+``--json FILE``. Only the suite that runs is imported, so one suite's dependencies (or a broken
+suite) never slow or break another.
 """
 
 from __future__ import annotations
 
-SUITES: dict[str, str] = {
-    "codecs": "kvtier.bench.codecs",
-    "store": "kvtier.bench.store",
+SUITES: dict[str, tuple[str, str]] = {
+    # name: (module, one-line help shown by `kvtier bench --help`)
+    "codecs": ("kvtier.bench.codecs", "codec size ratio, error and encode/decode GB/s vs memcpy"),
+    "store": ("kvtier.bench.store", "host-tier put/get vs torch copy_; disk write/read vs dd O_DIRECT"),
 }

@@ -1,0 +1,154 @@
+"""One block record <-> one torch tensor (SPEC.md §4, §5, §6).
+
+``encode_block`` turns a block tensor (any layout of ``kvtier_protocol.layouts``) into a whole
+record: header + payload. With codec ``raw`` the payload is the tensor's bytes in the given
+layout: one device-to-host copy (if on a GPU) and one copy into the record, no other CPU work.
+A quantizing codec works on the canonical layout, so the block is converted first and the header
+records ``canonical`` (or ``mla-latent``); ``decode_block`` converts back to the layout the caller
+asks for.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import xxhash
+
+from kvtier_protocol import codecs
+from kvtier_protocol.dtypes import DTYPE_SIZES
+from kvtier_protocol.errors import CodecError, LayoutError
+from kvtier_protocol.header import (DEFAULT_MAX_PAYLOAD_LEN, BlockHeader, Section, encode_header,
+                                    split_record, verify_payload)
+from kvtier_protocol.layouts import Layout, convert, get_layout, to_canonical
+from kvtier_protocol.quant import QuantParams
+
+_TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_SIZES}
+_DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in _TORCH_DTYPES.items()}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a wire dtype name.
+
+    Raises:
+        CodecError: unknown name.
+    """
+    try:
+        return _TORCH_DTYPES[name]
+    except (KeyError, TypeError):
+        raise CodecError(f"unknown dtype {name!r}; expected one of {sorted(_TORCH_DTYPES)}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The wire name of a torch dtype.
+
+    Raises:
+        CodecError: a dtype the wire format does not carry (e.g. float64).
+    """
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        raise CodecError(f"dtype {dtype} is not a wire dtype; expected one of {sorted(_TORCH_DTYPES)}") from None
+
+
+def _host_bytes(t: torch.Tensor) -> np.ndarray:
+    """The bytes of ``t`` as a flat uint8 array on the host (a view when already contiguous on CPU)."""
+    t = t.detach().contiguous()  # gather a strided view on its own device, then one transfer
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def encode_block(tensor: torch.Tensor, *, ns_id: bytes, chain_hash: bytes, parent_hash: bytes | None,
+                 layout: str | Layout, codec: str = "raw", quant: QuantParams | None = None,
+                 num_tokens: int | None = None, ns_fields: dict | None = None,
+                 created_ms: int | None = None, mla_rope_dim: int = 0) -> bytes:
+    """Encode one block into a whole record (header + payload).
+
+    Args:
+        tensor: the block, on any device, in ``layout`` (e.g. ``[L, 2, H, T, D]`` for canonical).
+        ns_id: the namespace id (16 bytes).
+        chain_hash: the block's chain hash (8..64 bytes).
+        parent_hash: the previous block's chain hash, or None for the first block.
+        layout: the layout of ``tensor``.
+        codec: ``"raw"`` or a quantizing codec of :mod:`kvtier_protocol.codecs`.
+        quant: codec parameters (None: the codec's defaults); must be None for raw.
+        num_tokens: if given, checked against the tensor's token axis.
+        ns_fields: optionally, the full namespace map to record in the header.
+        created_ms: optionally, the creation time to record (Unix ms).
+        mla_rope_dim: MLA only: trailing latent dims that hold RoPE; with ``quant=None`` they are
+            kept raw by the codec's defaults (the namespace's ``mla_rope_dim``).
+
+    Raises:
+        LayoutError: unknown layout, a shape that does not fit it, or a wrong ``num_tokens``.
+        CodecError: an unsupported dtype, unknown codec, or data the codec refuses (NaN/Inf).
+        HeaderError: invalid hashes or namespace id.
+    """
+    lay = get_layout(layout)
+    dtype = dtype_name(tensor.dtype)
+    lay.geometry_of(tuple(tensor.shape))
+    if codec == "raw":
+        if quant is not None:
+            raise CodecError("codec raw takes no quant parameters")
+        parts = [("payload", _host_bytes(tensor))]
+        out_layout, shape, used_quant = lay.name, tuple(tensor.shape), None
+    else:
+        canonical = to_canonical(tensor, lay)
+        if quant is None and lay.is_mla:
+            quant = codecs.default_quant(codec, mla=True, rope_dims=mla_rope_dim)
+        encoded = codecs.encode(canonical, codec, quant, mla=lay.is_mla)
+        parts = [(name, _host_bytes(t)) for name, t in encoded.sections]
+        out_layout, shape, used_quant = lay.canonical_name, tuple(canonical.shape), encoded.quant
+    tokens = shape[get_layout(out_layout).token_axis]
+    if num_tokens is not None and num_tokens != tokens:
+        raise LayoutError(f"num_tokens {num_tokens} != {tokens} tokens along the layout's token axis")
+    sections, offset, digest = [], 0, xxhash.xxh3_64()
+    for name, arr in parts:
+        sections.append(Section(name, offset, arr.nbytes))
+        offset += arr.nbytes
+        digest.update(arr)
+    header = BlockHeader(ns_id=ns_id, chain_hash=chain_hash, parent_hash=parent_hash,
+                         num_tokens=tokens, layout=out_layout, shape=shape, dtype=dtype, codec=codec,
+                         sections=tuple(sections), payload_len=offset, checksum=digest.intdigest(),
+                         quant=used_quant, ns_fields=ns_fields, created_ms=created_ms)
+    return b"".join([encode_header(header), *(memoryview(arr) for _, arr in parts)])
+
+
+def _raw_tensor(h: BlockHeader, payload: memoryview, device: str | torch.device) -> torch.Tensor:
+    # Copy out of the record: the caller's buffer (often a shared-memory slot) is released after
+    # this call, and torch cannot wrap a read-only buffer without a warning.
+    out = torch.empty(h.payload_len, dtype=torch.uint8)
+    out.numpy()[:] = np.frombuffer(payload, dtype=np.uint8)
+    return out.to(device).view(torch_dtype(h.dtype)).reshape(h.shape)
+
+
+def decode_block(buf: bytes | bytearray | memoryview, *, layout: str | Layout | None = None,
+                 device: str | torch.device = "cpu", verify: bool = True,
+                 max_payload_len: int = DEFAULT_MAX_PAYLOAD_LEN) -> tuple[BlockHeader, torch.Tensor]:
+    """Decode one whole record into its header and block tensor.
+
+    Args:
+        buf: the record (exactly one; it is not retained).
+        layout: the layout wanted; None returns the stored layout (``header.layout``).
+        device: where the tensor is built; layout conversion runs there.
+        verify: check the payload's xxh3-64 first (skip only for bytes verified just before).
+        max_payload_len: refuse larger payloads and decoded tensors (LimitExceeded).
+
+    Returns:
+        The header and a contiguous tensor owning its memory.
+
+    Raises:
+        Only KVTierError subclasses: the header's errors, ChecksumMismatch, CodecError, LayoutError.
+    """
+    h, payload = split_record(buf, max_payload_len=max_payload_len)
+    if verify:
+        verify_payload(h, payload)
+    stored = get_layout(h.layout)
+    if h.codec == "raw":
+        tensor = _raw_tensor(h, payload, device)
+    else:
+        views = {s.name: payload[s.offset:s.offset + s.length] for s in h.sections}
+        tensor = codecs.decode(views, codec=h.codec, quant=h.quant, shape=h.shape, dtype=h.dtype,
+                               mla=stored.is_mla, device=device)
+    if layout is not None:
+        tensor = convert(tensor, stored, layout)
+    return h, tensor

@@ -1,0 +1,286 @@
+"""KV events, byte-compatible with vLLM 0.33's ``vllm.distributed.kv_events`` (SPEC.md §9).
+
+A batch is the msgpack array ``[ts float64, [event, ...], data_parallel_rank]``; the rank is left
+out when None (vLLM declares the batch ``array_like, omit_defaults``; its publisher always fills
+the rank in, so live vLLM batches have three elements). Each event is a map whose first key is
+``"type"`` (the class name), then the required keys, always present and nil allowed, then the
+optional keys, omitted when None, all in vLLM's field order. The legacy encoding (vLLM before
+June 2026, llm-d-kv-cache before v0.9) is an array ``["BlockStored", field, ...]`` in the same
+order with trailing None optional fields dropped. :func:`decode_batch` accepts both, and
+SGLang's batches too (keys it does not know are ignored). The ZMQ framing lives in
+:mod:`kvtier_protocol.event_transport` and is re-exported here. Torch-free.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, TypeAlias
+
+import msgpack
+
+from kvtier_protocol.errors import EventError, LimitExceeded
+from kvtier_protocol.event_transport import (REPLAY_END_SEQ, LiveMessage, live_message,
+                                             make_topic, parse_live_message, parse_replay_reply,
+                                             parse_replay_request, parse_topic, replay_end,
+                                             replay_reply, replay_request)
+from kvtier_protocol.frame_codec import unique_map
+
+__all__ = [
+    "DEFAULT_EVENT_LIMITS", "EVENT_TYPES", "MEDIUM_BY_TIER", "MEDIUM_CPU", "MEDIUM_GPU",
+    "MEDIUM_REMOTE", "MEDIUM_STORAGE", "REPLAY_END_SEQ", "AllBlocksCleared", "BlockRemoved",
+    "BlockStored", "Event", "EventBatch", "EventHash", "EventLimits", "LiveMessage",
+    "decode_batch", "decode_event", "encode_batch", "event_to_wire", "live_message",
+    "make_topic", "parse_live_message", "parse_replay_reply", "parse_replay_request",
+    "parse_topic", "replay_end", "replay_reply", "replay_request",
+]
+
+MEDIUM_GPU, MEDIUM_CPU, MEDIUM_STORAGE, MEDIUM_REMOTE = "GPU", "CPU", "STORAGE", "REMOTE"
+MEDIUM_BY_TIER = {"gpu": MEDIUM_GPU, "host": MEDIUM_CPU, "disk": MEDIUM_STORAGE,
+                  "remote": MEDIUM_REMOTE}
+"""Event medium of each kvtier tier: vLLM's names, plus REMOTE for the remote tier."""
+
+EventHash: TypeAlias = int | bytes
+"""A block hash as events carry it: u64 (vLLM's last-8-bytes form; SGLang sends signed i64)
+or the raw digest."""
+
+_HASH_MIN, _HASH_MAX = -(1 << 63), (1 << 64) - 1
+_MAX_HASH_BYTES = 64
+_MAX_EXTRA_DEPTH = 8
+
+
+@dataclass(frozen=True, slots=True)
+class EventLimits:
+    """Receiver limits of :func:`decode_batch`, checked before decoding (bytes) or while."""
+
+    max_batch_bytes: int = 64 << 20
+    max_events: int = 65_536
+    max_list_len: int = 1 << 20  # hashes, token ids or extra keys in one event
+
+
+DEFAULT_EVENT_LIMITS = EventLimits()
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """Blocks became available in ``medium``, in prefix order; ``parent_block_hash`` precedes
+    the first. ``lora_id`` is deprecated in vLLM and kept for compatibility."""
+
+    REQUIRED: ClassVar[int] = 7  # leading fields always encoded
+    NEEDED: ClassVar[tuple[str, ...]] = ("block_hashes", "token_ids", "block_size")
+
+    block_hashes: tuple[EventHash, ...]
+    parent_block_hash: EventHash | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: tuple[tuple[Any, ...] | None, ...] | None = None  # one entry per block
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None  # "LOCAL" / "REMOTE" relative to the publisher
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """Blocks left ``medium``."""
+
+    REQUIRED: ClassVar[int] = 2
+    NEEDED: ClassVar[tuple[str, ...]] = ("block_hashes",)
+
+    block_hashes: tuple[EventHash, ...]
+    medium: str | None = None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    """Every block of the publisher is gone."""
+
+    REQUIRED: ClassVar[int] = 0
+    NEEDED: ClassVar[tuple[str, ...]] = ()
+
+
+Event: TypeAlias = BlockStored | BlockRemoved | AllBlocksCleared
+EVENT_TYPES: dict[str, type] = {c.__name__: c for c in (BlockStored, BlockRemoved,
+                                                         AllBlocksCleared)}
+
+
+@dataclass(frozen=True, slots=True)
+class EventBatch:
+    """Events of one engine step (or one daemon flush), with the wall-clock time in seconds."""
+
+    ts: float
+    events: tuple[Event, ...]
+    data_parallel_rank: int | None = None
+
+
+# --- encoding ----------------------------------------------------------------------------------
+
+
+def _wire(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return [_wire(v) for v in value]
+    return value
+
+
+def event_to_wire(event: Event, legacy: bool = False) -> dict[str, Any] | list[Any]:
+    """The msgpack-ready form of one event: a ``"type"``-tagged map, or the legacy array."""
+    if type(event).__name__ not in EVENT_TYPES:
+        raise EventError(f"not a KV event: {type(event).__name__}")
+    values = [(f.name, getattr(event, f.name)) for f in fields(event)]
+    if legacy:
+        out: list[Any] = [type(event).__name__, *(_wire(v) for _, v in values)]
+        while len(out) > 1 + event.REQUIRED and out[-1] is None:
+            out.pop()  # msgspec array_like + omit_defaults drops trailing defaults only
+        return out
+    tagged: dict[str, Any] = {"type": type(event).__name__}
+    for i, (name, value) in enumerate(values):
+        if i < event.REQUIRED or value is not None:
+            tagged[name] = _wire(value)
+    return tagged
+
+
+def encode_batch(batch: EventBatch, legacy: bool = False) -> bytes:
+    """Encode a batch exactly as vLLM 0.33's msgspec encoder does (``legacy``: array events)."""
+    wire: list[Any] = [float(batch.ts), [event_to_wire(e, legacy) for e in batch.events]]
+    if batch.data_parallel_rank is not None:
+        wire.append(batch.data_parallel_rank)
+    return msgpack.packb(wire, use_bin_type=True)
+
+
+# --- decoding ----------------------------------------------------------------------------------
+
+
+def _reject_ext(code: int, data: bytes) -> Any:
+    raise ValueError(f"msgpack extension type {code} is not used by KV events")
+
+
+def _list(name: str, value: Any, limits: EventLimits) -> list[Any]:
+    if not isinstance(value, list):
+        raise EventError(f"{name} must be an array")
+    if len(value) > limits.max_list_len:
+        raise LimitExceeded(f"{name} has {len(value)} entries, limit {limits.max_list_len}")
+    return value
+
+
+def _hash(name: str, value: Any) -> EventHash:
+    if type(value) is int and _HASH_MIN <= value <= _HASH_MAX:
+        return value
+    if isinstance(value, bytes) and 1 <= len(value) <= _MAX_HASH_BYTES:
+        return value
+    raise EventError(f"{name}: a block hash is an integer or 1..{_MAX_HASH_BYTES} bytes")
+
+
+def _int(name: str, value: Any) -> int:
+    if type(value) is not int:
+        raise EventError(f"{name} must be an integer")
+    return value
+
+
+def _str(name: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise EventError(f"{name} must be a string")
+    return value
+
+
+def _frozen(name: str, value: Any, depth: int = 0) -> Any:
+    """Arrays to tuples, recursively; extra keys hold only arrays and scalars."""
+    if isinstance(value, list):
+        if depth >= _MAX_EXTRA_DEPTH:
+            raise EventError(f"{name} nests deeper than {_MAX_EXTRA_DEPTH}")
+        return tuple(_frozen(name, v, depth + 1) for v in value)
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return value
+    raise EventError(f"{name}: extra keys hold arrays and scalars, got {type(value).__name__}")
+
+
+def _extra_keys(name: str, value: Any, limits: EventLimits) -> tuple[Any, ...]:
+    out = []
+    for entry in _list(name, value, limits):
+        if entry is not None and not isinstance(entry, list):
+            raise EventError(f"{name}: one array or nil per block")
+        out.append(_frozen(name, entry))
+    return tuple(out)
+
+
+_FIELD_CHECKS: dict[str, Any] = {
+    "block_hashes": lambda n, v, lim: tuple(_hash(n, h) for h in _list(n, v, lim)),
+    "parent_block_hash": lambda n, v, lim: _hash(n, v),
+    "token_ids": lambda n, v, lim: tuple(_int(n, t) for t in _list(n, v, lim)),
+    "lookahead_token_ids": lambda n, v, lim: tuple(_int(n, t) for t in _list(n, v, lim)),
+    "block_size": lambda n, v, lim: _int(n, v),
+    "lora_id": lambda n, v, lim: _int(n, v),
+    "group_idx": lambda n, v, lim: _int(n, v),
+    "kv_cache_spec_sliding_window": lambda n, v, lim: _int(n, v),
+    "extra_keys": _extra_keys,
+}
+
+
+def _build(cls: type, named: dict[str, Any], limits: EventLimits) -> Event:
+    kwargs = {}
+    for f in fields(cls):
+        value = named.get(f.name)
+        if value is None:
+            if f.name in cls.NEEDED:  # type: ignore[attr-defined]
+                raise EventError(f"{cls.__name__} lacks {f.name!r}")
+            kwargs[f.name] = None
+            continue
+        check = _FIELD_CHECKS.get(f.name, lambda n, v, lim: _str(n, v))
+        kwargs[f.name] = check(f"{cls.__name__}.{f.name}", value, limits)
+    return cls(**kwargs)
+
+
+def decode_event(wire: Any, limits: EventLimits = DEFAULT_EVENT_LIMITS) -> Event:
+    """Decode one event from its map or legacy array form (keys or trailing fields it does not
+    know are ignored)."""
+    if isinstance(wire, dict):
+        tag, named = wire.get("type"), wire
+    elif isinstance(wire, list) and wire:
+        tag = wire[0]
+        cls = EVENT_TYPES.get(tag) if isinstance(tag, str) else None
+        names = [f.name for f in fields(cls)] if cls is not None else []
+        named = dict(zip(names, wire[1:]))
+    else:
+        raise EventError("an event is a map or a non-empty array")
+    cls = EVENT_TYPES.get(tag) if isinstance(tag, str) else None
+    if cls is None:
+        raise EventError(f"unknown event type {tag!r}")
+    return _build(cls, named, limits)
+
+
+def decode_batch(buf: bytes | bytearray | memoryview,
+                 limits: EventLimits = DEFAULT_EVENT_LIMITS) -> EventBatch:
+    """Decode an event batch in the map or legacy encoding (or a mix).
+
+    Raises:
+        LimitExceeded: ``buf`` or one of its arrays is larger than ``limits``.
+        EventError: anything else that is not a valid batch.
+    """
+    if len(buf) > limits.max_batch_bytes:
+        raise LimitExceeded(f"event batch is {len(buf)} bytes, limit {limits.max_batch_bytes}")
+    try:
+        wire = msgpack.unpackb(buf, raw=False, strict_map_key=True, ext_hook=_reject_ext,
+                               object_pairs_hook=unique_map)
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise EventError(f"event batch is not valid msgpack: {exc}") from exc
+    if not isinstance(wire, list) or len(wire) not in (2, 3):
+        raise EventError("an event batch is an array [ts, events, data_parallel_rank]")
+    ts, events = wire[0], wire[1]
+    if type(ts) not in (int, float) or not math.isfinite(ts):
+        raise EventError("batch ts must be a finite number")
+    if not isinstance(events, list):
+        raise EventError("batch events must be an array")
+    if len(events) > limits.max_events:
+        raise LimitExceeded(f"batch has {len(events)} events, limit {limits.max_events}")
+    rank = wire[2] if len(wire) == 3 else None
+    if rank is not None and type(rank) is not int:
+        raise EventError("data_parallel_rank must be an integer or nil")
+    return EventBatch(float(ts), tuple(decode_event(e, limits) for e in events), rank)

@@ -1,0 +1,401 @@
+"""The self-describing block record: preamble, msgpack header map, payload (SPEC.md §4). Torch-free.
+
+::
+
+    offset          size        field
+    0               4           magic        b"KVT1"
+    4               2           version      u16 LE, 1
+    6               2           flags        u16 LE, 0 (reserved; nonzero is refused)
+    8               4           header_len   u32 LE, bytes of the msgpack map that follows
+    12              8           header_xxh3  u64 LE, xxh3-64 (seed 0) of those header_len bytes
+    20              header_len  msgpack map, keys in the order of WIRE_KEYS
+    20+header_len   plen        payload: the header's sections, back to back
+
+Anyone holding a record can decode and verify it without asking the daemon: the header names
+layout, shape, dtype, codec, the payload's sections and its xxh3-64 checksum. The header checksum
+makes a flipped header byte a detected error (a miss), never a silently wrong hit.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import xxhash
+
+from kvtier_protocol.dtypes import check_dtype, dtype_size
+from kvtier_protocol.errors import (BadMagic, ChecksumMismatch, HeaderError, LayoutError,
+                                    LimitExceeded, ProtocolError, Truncated,
+                                    UnsupportedVersion)
+from kvtier_protocol.layouts import get_layout
+from kvtier_protocol.quant import QuantParams
+
+MAGIC = b"KVT1"
+VERSION = 1
+PREAMBLE = struct.Struct("<4sHHIQ")
+PREAMBLE_LEN = PREAMBLE.size  # 20
+CHECKSUM_ALG = "xxh3-64"
+NS_ID_LEN = 16
+MIN_HASH_LEN, MAX_HASH_LEN = 8, 64
+MAX_SECTIONS = 16
+MAX_NAME_LEN = 32
+DEFAULT_MAX_HEADER_LEN = 64 * 1024
+DEFAULT_MAX_PAYLOAD_LEN = 1 << 30
+_U64 = (1 << 64) - 1
+_NAME = re.compile(r"[a-z0-9][a-z0-9_.-]*\Z")
+
+REQUIRED_KEYS = ("ns", "hash", "parent", "tokens", "layout", "shape", "dtype", "codec",
+                 "sections", "plen", "csum_alg", "csum", "quant")
+OPTIONAL_KEYS = ("ns_fields", "created")
+WIRE_KEYS = REQUIRED_KEYS + OPTIONAL_KEYS
+"""Every key v1 defines, in the order writers emit them; future keys go after these."""
+
+
+@dataclass(frozen=True, slots=True)
+class Section:
+    """A named byte range of the payload (offset relative to the payload start)."""
+
+    name: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class BlockHeader:
+    """The decoded header map of one block record. Constructing one validates it (HeaderError).
+
+    Attributes:
+        ns_id: the namespace id, 16 bytes.
+        chain_hash: the block's chain hash, 8..64 bytes (the key is ``ns_id || chain_hash``).
+        parent_hash: the previous block's chain hash, or None for the first block of a prefix.
+        num_tokens: tokens in the block; equals ``shape[layout.token_axis]``.
+        layout: the layout name of the decoded tensor (``kvtier_protocol.layouts.LAYOUTS``).
+        shape: the decoded tensor's shape in ``layout``.
+        dtype: the decoded tensor's dtype name (``kvtier_protocol.dtypes.DTYPE_SIZES``).
+        codec: how the payload encodes the tensor: ``"raw"`` or a quantizing codec.
+        sections: the payload's sections, contiguous from offset 0, covering the payload.
+        payload_len: payload bytes (``plen``).
+        checksum: xxh3-64 (seed 0) of the payload.
+        checksum_alg: always ``"xxh3-64"`` in v1.
+        quant: the quantization parameters; None for ``raw``.
+        ns_fields: optionally, the full namespace map (``Namespace.to_wire()``), for inspection.
+        created_ms: optionally, when the block was encoded, Unix time in milliseconds.
+        extra: keys this implementation does not know, in their original order, kept so that a
+            decoded header re-encodes byte-identically.
+    """
+
+    ns_id: bytes
+    chain_hash: bytes
+    parent_hash: bytes | None
+    num_tokens: int
+    layout: str
+    shape: tuple[int, ...]
+    dtype: str
+    codec: str
+    sections: tuple[Section, ...]
+    payload_len: int
+    checksum: int
+    checksum_alg: str = CHECKSUM_ALG
+    quant: QuantParams | None = None
+    ns_fields: Mapping[str, Any] | None = None
+    created_ms: int | None = None
+    extra: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    @property
+    def decoded_len(self) -> int:
+        """Bytes of the decoded tensor: ``prod(shape) * dtype size``."""
+        return math.prod(self.shape) * dtype_size(self.dtype)
+
+    def section(self, name: str) -> Section:
+        """The section called ``name``.
+
+        Raises:
+            HeaderError: no such section.
+        """
+        for s in self.sections:
+            if s.name == name:
+                return s
+        raise HeaderError(f"header has no section {name!r}")
+
+
+def _is_int(v: object, lo: int = 0, hi: int = _U64) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
+def _check_name(what: str, v: object) -> None:
+    if not isinstance(v, str) or not 1 <= len(v) <= MAX_NAME_LEN or not _NAME.match(v):
+        raise HeaderError(f"{what} must match [a-z0-9][a-z0-9_.-]* (<= {MAX_NAME_LEN} chars), got {v!r}")
+
+
+def _check_hash(what: str, v: object) -> None:
+    if not isinstance(v, bytes) or not MIN_HASH_LEN <= len(v) <= MAX_HASH_LEN:
+        raise HeaderError(f"{what} must be {MIN_HASH_LEN}..{MAX_HASH_LEN} bytes, got {v!r:.80}")
+
+
+def _validate(h: BlockHeader) -> None:
+    """Check every field of a header and the rules that tie them together."""
+    if not isinstance(h.ns_id, bytes) or len(h.ns_id) != NS_ID_LEN:
+        raise HeaderError(f"ns must be {NS_ID_LEN} bytes, got {h.ns_id!r:.80}")
+    _check_hash("hash", h.chain_hash)
+    if h.parent_hash is not None:
+        _check_hash("parent", h.parent_hash)
+    if not isinstance(h.layout, str):
+        raise HeaderError(f"layout must be a string, got {h.layout!r:.80}")
+    if not isinstance(h.shape, tuple):
+        raise HeaderError("shape must be a tuple")
+    try:
+        layout = get_layout(h.layout)
+        layout.geometry_of(h.shape)
+    except LayoutError as e:
+        raise HeaderError(f"bad layout or shape: {e.message}") from None
+    if not _is_int(h.num_tokens) or h.num_tokens != h.shape[layout.token_axis]:
+        raise HeaderError(f"tokens {h.num_tokens!r} != token axis of shape {h.shape} ({h.layout})")
+    check_dtype(h.dtype)
+    _check_name("codec", h.codec)
+    if h.quant is not None and not isinstance(h.quant, QuantParams):
+        raise HeaderError("quant must be QuantParams or None")
+    if h.codec == "raw" and h.quant is not None:
+        raise HeaderError("codec raw takes no quant parameters")
+    if not _is_int(h.payload_len, 0, (1 << 63) - 1):
+        raise HeaderError(f"plen must be an integer in [0, 2^63), got {h.payload_len!r}")
+    _validate_sections(h)
+    if h.checksum_alg != CHECKSUM_ALG:
+        raise HeaderError(f"csum_alg must be {CHECKSUM_ALG!r}, got {h.checksum_alg!r:.80}")
+    if not _is_int(h.checksum):
+        raise HeaderError(f"csum must be a u64, got {h.checksum!r}")
+    if h.ns_fields is not None and (not isinstance(h.ns_fields, Mapping)
+                                    or not all(isinstance(k, str) for k in h.ns_fields)):
+        raise HeaderError("ns_fields must be a map with string keys")
+    if h.created_ms is not None and not _is_int(h.created_ms):
+        raise HeaderError(f"created must be a u64 (ms since the Unix epoch), got {h.created_ms!r}")
+    if not isinstance(h.extra, tuple):
+        raise HeaderError("extra must be a tuple of (key, value) pairs")
+    for item in h.extra:
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)) or item[0] in WIRE_KEYS:
+            raise HeaderError(f"extra entries must be (unknown string key, value), got {item!r:.80}")
+
+
+def _validate_sections(h: BlockHeader) -> None:
+    if not isinstance(h.sections, tuple) or not 1 <= len(h.sections) <= MAX_SECTIONS:
+        raise HeaderError(f"sections must be a tuple of 1..{MAX_SECTIONS} Section")
+    end, names = 0, set()
+    for s in h.sections:
+        if not isinstance(s, Section):
+            raise HeaderError("sections must hold Section values")
+        _check_name("section name", s.name)
+        if s.name in names:
+            raise HeaderError(f"duplicate section {s.name!r}")
+        names.add(s.name)
+        if not _is_int(s.offset) or not _is_int(s.length) or s.offset != end:
+            raise HeaderError(f"section {s.name!r} must start at {end} (sections are contiguous)")
+        end += s.length
+    if end != h.payload_len:
+        raise HeaderError(f"sections cover {end} bytes, plen is {h.payload_len}")
+    if h.codec == "raw" and (h.sections[0].name != "payload" or len(h.sections) != 1
+                             or h.payload_len != h.decoded_len):
+        raise HeaderError(f"codec raw needs one section 'payload' of prod(shape)*dtype size = "
+                          f"{h.decoded_len} bytes")
+
+
+def _to_map(h: BlockHeader) -> dict[str, Any]:
+    m: dict[str, Any] = {
+        "ns": h.ns_id, "hash": h.chain_hash, "parent": h.parent_hash, "tokens": h.num_tokens,
+        "layout": h.layout, "shape": list(h.shape), "dtype": h.dtype, "codec": h.codec,
+        "sections": [[s.name, s.offset, s.length] for s in h.sections], "plen": h.payload_len,
+        "csum_alg": h.checksum_alg, "csum": h.checksum,
+        "quant": h.quant.to_wire() if h.quant is not None else None,
+    }
+    if h.ns_fields is not None:
+        m["ns_fields"] = dict(h.ns_fields)
+    if h.created_ms is not None:
+        m["created"] = h.created_ms
+    m.update(h.extra)
+    return m
+
+
+def encode_header(h: BlockHeader) -> bytes:
+    """The preamble and header map of ``h`` (the payload follows them in a record).
+
+    Raises:
+        HeaderError: a value in ``ns_fields`` or ``extra`` cannot be packed as msgpack.
+        LimitExceeded: the map is larger than DEFAULT_MAX_HEADER_LEN (no default reader takes it).
+    """
+    try:
+        body = msgpack.packb(_to_map(h), use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise HeaderError(f"header does not pack as msgpack: {e}") from None
+    if len(body) > DEFAULT_MAX_HEADER_LEN:
+        raise LimitExceeded(f"header map is {len(body)} bytes > {DEFAULT_MAX_HEADER_LEN}")
+    return PREAMBLE.pack(MAGIC, VERSION, 0, len(body), xxhash.xxh3_64_intdigest(body)) + body
+
+
+def parse_preamble(buf: bytes | bytearray | memoryview, *,
+                   max_header_len: int = DEFAULT_MAX_HEADER_LEN) -> int:
+    """Check the 20-byte preamble at the start of ``buf`` and return ``header_len``.
+
+    A streaming reader reads 20 bytes, calls this, then reads ``header_len`` more.
+
+    Raises:
+        Truncated, BadMagic, UnsupportedVersion (version != 1 or flags != 0), LimitExceeded.
+    """
+    if len(buf) < PREAMBLE_LEN:
+        raise Truncated(f"record needs a {PREAMBLE_LEN}-byte preamble, got {len(buf)} bytes")
+    magic, version, flags, header_len, _ = PREAMBLE.unpack_from(buf)
+    if magic != MAGIC:
+        raise BadMagic(f"expected magic {MAGIC!r}, got {bytes(magic)!r}")
+    if version != VERSION:
+        raise UnsupportedVersion(f"block record version {version}; this reader speaks {VERSION}")
+    if flags != 0:
+        # A flag would only ever be set for a feature that changes how the bytes are read.
+        raise UnsupportedVersion(f"block record flags 0x{flags:04x}; this reader knows none")
+    if header_len > max_header_len:
+        raise LimitExceeded(f"header_len {header_len} > limit {max_header_len}")
+    return header_len
+
+
+def _no_duplicates(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
+    # Two readers must never see two different values for one key (parser differentials).
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise HeaderError("duplicate key in a header map")
+    return out
+
+
+def _unpack(body: memoryview) -> Any:
+    n = len(body)
+    try:
+        return msgpack.unpackb(body, raw=False, strict_map_key=True, object_pairs_hook=_no_duplicates,
+                               max_str_len=n, max_bin_len=n, max_array_len=n, max_map_len=n,
+                               max_ext_len=n)
+    except HeaderError:
+        raise
+    except (ValueError, TypeError, msgpack.UnpackException) as e:
+        raise HeaderError(f"header map is not valid msgpack: {type(e).__name__}: {e}") from None
+
+
+def _get(m: dict[str, Any], key: str, types: type | tuple[type, ...]) -> Any:
+    if key not in m:
+        raise HeaderError(f"required header key {key!r} is missing")
+    v = m[key]
+    if not isinstance(v, types) or isinstance(v, bool):
+        raise HeaderError(f"header key {key!r} has the wrong msgpack type ({type(v).__name__})")
+    return v
+
+
+def _from_map(m: Any, max_payload_len: int) -> BlockHeader:
+    if not isinstance(m, dict) or not all(isinstance(k, str) for k in m):
+        raise HeaderError("header must be a msgpack map with string keys")
+    plen = _get(m, "plen", int)
+    if plen > max_payload_len:
+        raise LimitExceeded(f"plen {plen} > limit {max_payload_len}")
+    shape = _get(m, "shape", list)
+    sections = []
+    for s in _get(m, "sections", list):
+        if not (isinstance(s, list) and len(s) == 3):
+            raise HeaderError("each section must be an array [name, offset, length]")
+        sections.append(Section(*s))
+    quant = _get(m, "quant", (dict, type(None)))
+    ns_fields = m.get("ns_fields")
+    if ns_fields is not None and not isinstance(ns_fields, dict):
+        raise HeaderError("ns_fields must be a map")
+    return BlockHeader(
+        ns_id=_get(m, "ns", bytes), chain_hash=_get(m, "hash", bytes),
+        parent_hash=_get(m, "parent", (bytes, type(None))), num_tokens=_get(m, "tokens", int),
+        layout=_get(m, "layout", str), shape=tuple(shape), dtype=_get(m, "dtype", str),
+        codec=_get(m, "codec", str), sections=tuple(sections), payload_len=plen,
+        checksum=_get(m, "csum", int), checksum_alg=_get(m, "csum_alg", str),
+        quant=QuantParams.from_wire(quant) if quant is not None else None,
+        ns_fields=ns_fields, created_ms=m.get("created"),
+        extra=tuple((k, v) for k, v in m.items() if k not in WIRE_KEYS))
+
+
+def _byte_view(buf: bytes | bytearray | memoryview) -> memoryview:
+    view = memoryview(buf)
+    if view.format != "B" or view.ndim != 1:
+        try:
+            view = view.cast("B")
+        except TypeError as e:
+            raise ProtocolError(f"record buffer is not a contiguous byte buffer: {e}") from None
+    return view
+
+
+def decode_header(buf: bytes | bytearray | memoryview, *,
+                  max_header_len: int = DEFAULT_MAX_HEADER_LEN,
+                  max_payload_len: int = DEFAULT_MAX_PAYLOAD_LEN) -> tuple[BlockHeader, int]:
+    """Decode and validate the header at the start of ``buf`` (which may hold more bytes).
+
+    Lengths are checked against the limits before anything is allocated; ``max_payload_len`` also
+    bounds the decoded tensor (``prod(shape) * dtype size``) so a tiny quantized payload cannot
+    declare a huge tensor.
+
+    Returns:
+        The header and the offset of the payload in ``buf``.
+
+    Raises:
+        Truncated, BadMagic, UnsupportedVersion, LimitExceeded, ChecksumMismatch (header bytes),
+        HeaderError. Nothing else.
+    """
+    view = _byte_view(buf)
+    header_len = parse_preamble(view, max_header_len=max_header_len)
+    end = PREAMBLE_LEN + header_len
+    if len(view) < end:
+        raise Truncated(f"header needs {end} bytes, got {len(view)}")
+    body = view[PREAMBLE_LEN:end]
+    expected = PREAMBLE.unpack_from(view)[4]
+    if xxhash.xxh3_64_intdigest(body) != expected:
+        raise ChecksumMismatch("header map bytes do not match the preamble's xxh3-64")
+    h = _from_map(_unpack(body), max_payload_len)
+    if h.decoded_len > max_payload_len:
+        raise LimitExceeded(f"decoded tensor of {h.decoded_len} bytes > limit {max_payload_len}")
+    return h, end
+
+
+def payload_checksum(buf: bytes | bytearray | memoryview) -> int:
+    """xxh3-64 (seed 0) of a payload, as an unsigned integer."""
+    return xxhash.xxh3_64_intdigest(buf)
+
+
+def verify_payload(h: BlockHeader, payload: bytes | bytearray | memoryview) -> None:
+    """Check a payload against its header's length and checksum.
+
+    Raises:
+        Truncated: the payload is shorter than ``plen``.
+        ChecksumMismatch: longer than ``plen``, or its xxh3-64 differs.
+    """
+    n = memoryview(payload).nbytes
+    if n < h.payload_len:
+        raise Truncated(f"payload is {n} bytes, header says {h.payload_len}")
+    if n != h.payload_len or payload_checksum(payload) != h.checksum:
+        raise ChecksumMismatch(f"payload does not match its header's {CHECKSUM_ALG} checksum")
+
+
+def record_len(h: BlockHeader) -> int:
+    """Bytes of the whole record: preamble + header map + payload."""
+    return len(encode_header(h)) + h.payload_len
+
+
+def split_record(buf: bytes | bytearray | memoryview, *,
+                 max_header_len: int = DEFAULT_MAX_HEADER_LEN,
+                 max_payload_len: int = DEFAULT_MAX_PAYLOAD_LEN) -> tuple[BlockHeader, memoryview]:
+    """Split one whole record into its header and a zero-copy view of its payload (unverified).
+
+    Raises:
+        What :func:`decode_header` raises; Truncated if the payload is short; HeaderError if bytes
+        follow the payload.
+    """
+    h, off = decode_header(buf, max_header_len=max_header_len, max_payload_len=max_payload_len)
+    view = _byte_view(buf)
+    end = off + h.payload_len
+    if len(view) < end:
+        raise Truncated(f"record needs {end} bytes, got {len(view)}")
+    if len(view) > end:
+        raise HeaderError(f"{len(view) - end} bytes follow the payload the header declares")
+    return h, view[off:end]

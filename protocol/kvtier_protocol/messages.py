@@ -1,0 +1,256 @@
+"""Typed requests of the data plane and the base of every message (SPEC.md §7.3).
+
+Every message is a frozen dataclass whose fields, after ``id``, are the op-specific header keys
+in wire order; a field with a default is optional on the wire (omitted when None). ``payload``,
+where present, is the frame payload, never a header key. Checkers for each key live in
+:mod:`kvtier_protocol.wire_checks`; cross-field rules in each class's ``_check``. Torch-free.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import MISSING, Field, dataclass, field, fields
+from typing import Any, ClassVar
+
+from kvtier_protocol.errors import FrameError, InvalidRequest
+from kvtier_protocol.frame_codec import Limits, Payload
+from kvtier_protocol.wire_checks import CHECKERS, DEFAULT_LEASE_MS, to_wire
+
+
+class Message:
+    """Base of every request and response: header encoding and decoding by field name."""
+
+    __slots__ = ()
+    OP: ClassVar[str]
+    IS_RESPONSE: ClassVar[bool] = False
+    id: int
+
+    def to_header(self) -> dict[str, Any]:
+        """The header map: ``op``, ``id``, ``ok`` (responses), then the fields in wire order."""
+        header: dict[str, Any] = {"op": self.OP, "id": self.id}
+        if self.IS_RESPONSE:
+            header["ok"] = True
+        for f in wire_fields(type(self)):
+            value = getattr(self, f.name)
+            if value is not None:
+                header[f.name] = to_wire(value)
+        return header
+
+    def frame_payload(self) -> Payload | None:
+        """The frame payload: ``payload`` for put requests and get responses, else None."""
+        return None
+
+    @classmethod
+    def from_header(cls, header: dict[str, Any], payload: memoryview | None,
+                    limits: Limits) -> Message:
+        """Build from a decoded header whose ``id`` the frame decoder already checked.
+
+        Raises:
+            InvalidRequest: a required key is missing or nil, or a value is wrong.
+            LimitExceeded: an array or length is above ``limits``.
+            FrameError: the frame carries a payload the op does not take, or lacks one it needs.
+        """
+        kwargs: dict[str, Any] = {"id": header["id"]}
+        for f in wire_fields(cls):
+            value = header.get(f.name)
+            if value is None:
+                if f.default is MISSING:
+                    raise InvalidRequest(f"{cls.OP}: missing required key {f.name!r}")
+                continue
+            kwargs[f.name] = CHECKERS[f.name](f.name, value, limits)
+        if "payload" in cls.__dataclass_fields__:  # type: ignore[attr-defined]
+            if payload is None:
+                raise FrameError(f"{cls.OP} needs a payload")
+            kwargs["payload"] = payload
+        elif payload is not None:
+            raise FrameError(f"{cls.OP} takes no payload")
+        message = cls(**kwargs)
+        message._check(limits)
+        return message
+
+    def _check(self, limits: Limits) -> None:
+        """Cross-field rules; raises InvalidRequest or FrameError."""
+
+
+@functools.cache
+def wire_fields(cls: type) -> tuple[Field, ...]:
+    """The dataclass fields that are header keys, in wire order."""
+    return tuple(f for f in fields(cls) if f.name not in ("id", "payload"))
+
+
+def same_len(op: str, **arrays: tuple[Any, ...]) -> None:
+    """Raise InvalidRequest unless the per-key arrays of ``op`` have one length."""
+    counts = {name: len(a) for name, a in arrays.items()}
+    if len(set(counts.values())) > 1:
+        raise InvalidRequest(f"{op}: arrays must have equal lengths, got {counts}")
+
+
+def payload_len(payload: Payload) -> int:
+    """Bytes in a payload given as one buffer or as a sequence of buffers."""
+    if isinstance(payload, (bytes, bytearray, memoryview)):
+        return memoryview(payload).nbytes
+    return sum(memoryview(p).nbytes for p in payload)
+
+
+def split_records(payload: Payload, lengths: tuple[int | None, ...]) -> list[memoryview | None]:
+    """Cut a put/get payload into its block records; None where ``lengths`` has nil."""
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        parts = iter(payload)
+        return [None if n is None else memoryview(next(parts)) for n in lengths]
+    view, pos, out = memoryview(payload), 0, []
+    for n in lengths:
+        out.append(None if n is None else view[pos:pos + n])
+        pos += n or 0
+    return out
+
+
+# --- requests ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class HelloRequest(Message):
+    """First request on a connection: version, identity, credentials."""
+
+    OP: ClassVar[str] = "hello"
+    id: int
+    version: int  # protocol version the client speaks
+    client: str  # free-form client name, for logs
+    tenant: str | None = None  # tenant whose segments the client wants (None: the default pool)
+    token: str | None = field(default=None, repr=False)  # shared secret; kept out of logs
+
+
+@dataclass(frozen=True, slots=True)
+class LookupRequest(Message):
+    """How many of ``hashes``, from the first, are stored, and in which tier."""
+
+    OP: ClassVar[str] = "lookup"
+    id: int
+    ns_id: bytes
+    hashes: tuple[bytes, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ReserveRequest(Message):
+    """Reserve host slots for new blocks (put over shared memory, step 1)."""
+
+    OP: ClassVar[str] = "reserve"
+    id: int
+    ns_id: bytes
+    hashes: tuple[bytes, ...]
+    sizes: tuple[int, ...]  # record length (block header + payload) per key
+    lease_ms: int = DEFAULT_LEASE_MS
+    priority: int = 0  # higher is kept longer
+
+    def _check(self, limits: Limits) -> None:
+        same_len(self.OP, hashes=self.hashes, sizes=self.sizes)
+
+
+@dataclass(frozen=True, slots=True)
+class CommitRequest(Message):
+    """Publish reserved slots the client has filled (put over shared memory, step 2)."""
+
+    OP: ClassVar[str] = "commit"
+    id: int
+    lease: int
+    headers: tuple[bytes | None, ...]  # encoded block header per reserved key; nil: not written
+
+
+@dataclass(frozen=True, slots=True)
+class AcquireRequest(Message):
+    """Pin stored blocks in host slots for reading (get over shared memory)."""
+
+    OP: ClassVar[str] = "acquire"
+    id: int
+    ns_id: bytes
+    hashes: tuple[bytes, ...]
+    lease_ms: int = DEFAULT_LEASE_MS
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseRequest(Message):
+    """End a lease taken by reserve (without commit) or acquire."""
+
+    OP: ClassVar[str] = "release"
+    id: int
+    lease: int
+
+
+@dataclass(frozen=True, slots=True)
+class PutRequest(Message):
+    """Store blocks sent inline (TCP path): the payload is the records back to back."""
+
+    OP: ClassVar[str] = "put"
+    id: int
+    ns_id: bytes
+    hashes: tuple[bytes, ...]
+    lens: tuple[int | None, ...]  # record length per key; never nil in a put
+    priority: int = 0
+    payload: Payload = field(default=b"", kw_only=True)
+
+    def frame_payload(self) -> Payload | None:
+        return self.payload
+
+    def records(self) -> list[memoryview | None]:
+        """The payload cut into one block record per key."""
+        return split_records(self.payload, self.lens)
+
+    def _check(self, limits: Limits) -> None:
+        same_len(self.OP, hashes=self.hashes, lens=self.lens)
+        if any(n is None for n in self.lens):
+            raise InvalidRequest("put: lens must not contain nil")
+        total = sum(n or 0 for n in self.lens)
+        if total != payload_len(self.payload):
+            raise FrameError(f"put: lens sum to {total}, payload is {payload_len(self.payload)}")
+
+
+@dataclass(frozen=True, slots=True)
+class GetRequest(Message):
+    """Fetch blocks inline (TCP path)."""
+
+    OP: ClassVar[str] = "get"
+    id: int
+    ns_id: bytes
+    hashes: tuple[bytes, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteRequest(Message):
+    """Drop blocks from every tier."""
+
+    OP: ClassVar[str] = "delete"
+    id: int
+    ns_id: bytes
+    hashes: tuple[bytes, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ClearRequest(Message):
+    """Drop every block of one namespace from every tier."""
+
+    OP: ClassVar[str] = "clear"
+    id: int
+    ns_id: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class StatsRequest(Message):
+    """Counters and gauges of the daemon."""
+
+    OP: ClassVar[str] = "stats"
+    id: int
+
+
+@dataclass(frozen=True, slots=True)
+class PingRequest(Message):
+    """Liveness and round-trip probe."""
+
+    OP: ClassVar[str] = "ping"
+    id: int
+
+
+Request = (HelloRequest | LookupRequest | ReserveRequest | CommitRequest | AcquireRequest
+           | ReleaseRequest | PutRequest | GetRequest | DeleteRequest | ClearRequest
+           | StatsRequest | PingRequest)
+REQUESTS: dict[str, type[Message]] = {c.OP: c for c in Request.__args__}  # type: ignore
+OPS = tuple(REQUESTS)
+"""Every operation, in SPEC order."""

@@ -1,0 +1,175 @@
+"""Typed responses of the data plane, one per operation (SPEC.md §7.3); see messages.py.
+
+A successful response header is ``op``, ``id``, ``ok: true``, then the fields below in order.
+Torch-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from kvtier_protocol.errors import FrameError, InvalidRequest
+from kvtier_protocol.frame_codec import Limits, Payload
+from kvtier_protocol.messages import OPS, Message, payload_len, same_len, split_records
+from kvtier_protocol.wire_checks import EXISTS, Segment, SlotRef
+
+
+@dataclass(frozen=True, slots=True)
+class HelloResponse(Message):
+    """Server version, limits, and the host segments (fds follow by SCM_RIGHTS on unix)."""
+
+    OP: ClassVar[str] = "hello"
+    IS_RESPONSE: ClassVar[bool] = True
+    id: int
+    version: int
+    server: str
+    limits: Limits
+    segments: tuple[Segment, ...]  # index in this list = the segment number in slots
+    fds: int  # descriptors attached to this frame: len(segments) on unix sockets, 0 on TCP
+
+    def _check(self, limits: Limits) -> None:
+        if self.fds not in (0, len(self.segments)):
+            raise InvalidRequest("hello: fds must be 0 or the number of segments")
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResponse(Message):
+    """Length of the stored prefix and the tier of each hit."""
+
+    OP: ClassVar[str] = "lookup"
+    IS_RESPONSE: ClassVar[bool] = True
+    id: int
+    num_hits: int  # consecutive keys stored, from the first
+    tiers: tuple[str, ...]  # tier of each hit ("gpu", "host", "disk", "remote")
+
+    def _check(self, limits: Limits) -> None:
+        if self.num_hits != len(self.tiers):
+            raise InvalidRequest("lookup: num_hits must equal the number of tiers")
+
+
+@dataclass(frozen=True, slots=True)
+class ReserveResponse(Message):
+    """The lease and, per key, a slot to write, "exists", or nil when there is no room."""
+
+    OP: ClassVar[str] = "reserve"
+    IS_RESPONSE: ClassVar[bool] = True
+    id: int
+    lease: int  # 0 when nothing was reserved
+    slots: tuple[SlotRef | str | None, ...]  # per key: slot, "exists", or nil (no room)
+
+
+@dataclass(frozen=True, slots=True)
+class CommitResponse(Message):
+    """How many blocks the commit made visible."""
+
+    OP: ClassVar[str] = "commit"
+    IS_RESPONSE: ClassVar[bool] = True
+    id: int
+    committed: int  # blocks made visible
+
+
+@dataclass(frozen=True, slots=True)
+class AcquireResponse(Message):
+    """The lease pinning the found blocks, with their slots and block headers."""
+
+    OP: ClassVar[str] = "acquire"
+    IS_RESPONSE: ClassVar[bool] = True
+    id: int
+    lease: int  # 0 when nothing was acquired
+    slots: tuple[SlotRef | None, ...]  # per key: slot holding the record, or nil (missing)
+    headers: tuple[bytes | None, ...]  # per key: the encoded block header, or nil (missing)
+
+    def _check(self, limits: Limits) -> None:
+        same_len(self.OP, slots=self.slots, headers=self.headers)
+        for slot, header in zip(self.slots, self.headers):
+            if slot == EXISTS or (slot is None) != (header is None):
+                raise InvalidRequest("acquire: slot and header must both be set or both nil")
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseResponse(Message):
+    """The lease has ended."""
+
+    OP: ClassVar[str] = "release"
+    IS_RESPONSE: ClassVar[bool] = True
+    id: int
+
+
+@dataclass(frozen=True, slots=True)
+class PutResponse(Message):
+    """Per key: "stored", "exists" or "full"."""
+
+    OP: ClassVar[str] = "put"
+    IS_RESPONSE: ClassVar[bool] = True
+    id: int
+    results: tuple[str, ...]  # per key: "stored", "exists" or "full"
+
+
+@dataclass(frozen=True, slots=True)
+class GetResponse(Message):
+    """Records of the found keys back to back in the payload; nil lens for missing keys."""
+
+    OP: ClassVar[str] = "get"
+    IS_RESPONSE: ClassVar[bool] = True
+    id: int
+    lens: tuple[int | None, ...]
+    payload: Payload = field(default=b"", kw_only=True)
+
+    def frame_payload(self) -> Payload | None:
+        return self.payload
+
+    def records(self) -> list[memoryview | None]:
+        """One record view per requested key, None for a missing key."""
+        return split_records(self.payload, self.lens)
+
+    def _check(self, limits: Limits) -> None:
+        total = sum(n or 0 for n in self.lens)
+        if total != payload_len(self.payload):
+            raise FrameError(f"get: lens sum to {total}, payload is {payload_len(self.payload)}")
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteResponse(Message):
+    """How many blocks existed and were dropped."""
+
+    OP: ClassVar[str] = "delete"
+    IS_RESPONSE: ClassVar[bool] = True
+    id: int
+    deleted: int
+
+
+@dataclass(frozen=True, slots=True)
+class ClearResponse(Message):
+    """How many blocks of the namespace were dropped."""
+
+    OP: ClassVar[str] = "clear"
+    IS_RESPONSE: ClassVar[bool] = True
+    id: int
+    deleted: int
+
+
+@dataclass(frozen=True, slots=True)
+class StatsResponse(Message):
+    """Informative counters and gauges of the daemon."""
+
+    OP: ClassVar[str] = "stats"
+    IS_RESPONSE: ClassVar[bool] = True
+    id: int
+    stats: dict[str, Any]  # informative counters; names are not part of the contract
+
+
+@dataclass(frozen=True, slots=True)
+class PingResponse(Message):
+    """The answer to a ping."""
+
+    OP: ClassVar[str] = "ping"
+    IS_RESPONSE: ClassVar[bool] = True
+    id: int
+
+
+Response = (HelloResponse | LookupResponse | ReserveResponse | CommitResponse | AcquireResponse
+            | ReleaseResponse | PutResponse | GetResponse | DeleteResponse | ClearResponse
+            | StatsResponse | PingResponse)
+RESPONSES: dict[str, type[Message]] = {c.OP: c for c in Response.__args__}  # type: ignore
+assert tuple(RESPONSES) == OPS, "every op has a request and a response, in the same order"

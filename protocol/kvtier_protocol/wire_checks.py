@@ -1,0 +1,212 @@
+"""Value checkers for the fields of data-plane messages (SPEC.md §7.3). Torch-free.
+
+Each checker takes a value decoded from an untrusted msgpack header and the receiver's
+:class:`~kvtier_protocol.frame_codec.Limits`, and returns the value in its typed form (arrays
+become tuples) or raises :class:`InvalidRequest` / :class:`LimitExceeded`. Booleans are not
+integers here, although Python says they are: msgpack keeps the two apart and so do we.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+from kvtier_protocol.errors import InvalidRequest, LimitExceeded
+from kvtier_protocol.frame_codec import U64_MAX, Limits
+
+NS_ID_LEN = 16
+MIN_HASH_LEN, MAX_HASH_LEN = 8, 64
+MAX_TEXT_LEN = 1024
+MAX_STATS_DEPTH = 4
+PRIORITY_MIN, PRIORITY_MAX = -128, 127
+DEFAULT_LEASE_MS = 30_000
+TIER_NAMES = ("gpu", "host", "disk", "remote")
+EXISTS = "exists"
+PUT_RESULTS = ("stored", "exists", "full")
+
+SlotRef: TypeAlias = tuple[int, int, int]
+"""``(segment, offset, length)``: a byte range of one shared host segment."""
+
+Checker: TypeAlias = Callable[[str, Any, Limits], Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """A shared host-memory segment handed to the client (its fd travels with SCM_RIGHTS)."""
+
+    name: str
+    size: int
+
+
+def uint(name: str, value: Any, limits: Limits, lo: int = 0, hi: int = U64_MAX) -> int:
+    if type(value) is not int:
+        raise InvalidRequest(f"{name} must be an unsigned integer, got {type(value).__name__}")
+    if not lo <= value <= hi:
+        raise InvalidRequest(f"{name} must lie in [{lo}, {hi}], got {value}")
+    return value
+
+
+def text(name: str, value: Any, limits: Limits) -> str:
+    if not isinstance(value, str):
+        raise InvalidRequest(f"{name} must be a string, got {type(value).__name__}")
+    if len(value) > MAX_TEXT_LEN:
+        raise LimitExceeded(f"{name} is {len(value)} characters, limit {MAX_TEXT_LEN}")
+    return value
+
+
+def array(name: str, value: Any, limits: Limits) -> list[Any] | tuple[Any, ...]:
+    if not isinstance(value, (list, tuple)):  # tuples: headers built in-process, not decoded
+        raise InvalidRequest(f"{name} must be an array, got {type(value).__name__}")
+    if len(value) > limits.max_batch:
+        raise LimitExceeded(f"{name} has {len(value)} entries, limit {limits.max_batch}")
+    return value
+
+
+def binary(name: str, value: Any, lo: int, hi: int) -> bytes:
+    if not isinstance(value, bytes):
+        raise InvalidRequest(f"{name} must be bin, got {type(value).__name__}")
+    if not lo <= len(value) <= hi:
+        raise InvalidRequest(f"{name} must be {lo}..{hi} bytes, got {len(value)}")
+    return value
+
+
+def ns_id(name: str, value: Any, limits: Limits) -> bytes:
+    return binary(name, value, NS_ID_LEN, NS_ID_LEN)
+
+
+def hashes(name: str, value: Any, limits: Limits) -> tuple[bytes, ...]:
+    return tuple(binary(name, h, MIN_HASH_LEN, MAX_HASH_LEN) for h in array(name, value, limits))
+
+
+def sizes(name: str, value: Any, limits: Limits) -> tuple[int, ...]:
+    return tuple(record_len(name, v, limits) for v in array(name, value, limits))
+
+
+def record_len(name: str, value: Any, limits: Limits) -> int:
+    n = uint(name, value, limits, 1)
+    if n > limits.max_payload_len:
+        raise LimitExceeded(f"{name}: {n} bytes above limit {limits.max_payload_len}")
+    return n
+
+
+def lens(name: str, value: Any, limits: Limits) -> tuple[int | None, ...]:
+    return tuple(None if v is None else record_len(name, v, limits)
+                 for v in array(name, value, limits))
+
+
+def lease_ms(name: str, value: Any, limits: Limits) -> int:
+    n = uint(name, value, limits, 1)
+    if n > limits.max_lease_ms:
+        raise LimitExceeded(f"{name} {n} above limit {limits.max_lease_ms}")
+    return n
+
+
+def priority(name: str, value: Any, limits: Limits) -> int:
+    if type(value) is not int or not PRIORITY_MIN <= value <= PRIORITY_MAX:
+        raise InvalidRequest(f"{name} must be an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}]")
+    return value
+
+
+def version(name: str, value: Any, limits: Limits) -> int:
+    return uint(name, value, limits, 1, 0xFFFF)
+
+
+def headers(name: str, value: Any, limits: Limits) -> tuple[bytes | None, ...]:
+    return tuple(None if h is None else binary(name, h, 1, limits.max_header_len)
+                 for h in array(name, value, limits))
+
+
+def _slot(name: str, value: Any, limits: Limits) -> SlotRef | str | None:
+    if value is None or value == EXISTS:
+        return value
+    if not isinstance(value, (list, tuple)) or len(value) != 3:
+        raise InvalidRequest(f"{name}: a slot is [segment, offset, length], 'exists' or nil")
+    segment, offset, length = (uint(name, v, limits) for v in value)
+    if not 1 <= length <= limits.max_payload_len:
+        raise InvalidRequest(f"{name}: slot length {length} out of range")
+    return (segment, offset, length)
+
+
+def slots(name: str, value: Any, limits: Limits) -> tuple[SlotRef | str | None, ...]:
+    return tuple(_slot(name, v, limits) for v in array(name, value, limits))
+
+
+def tiers(name: str, value: Any, limits: Limits) -> tuple[str, ...]:
+    out = tuple(text(name, v, limits) for v in array(name, value, limits))
+    for t in out:
+        if t not in TIER_NAMES:
+            raise InvalidRequest(f"{name}: unknown tier {t!r}; tiers are {TIER_NAMES}")
+    return out
+
+
+def put_results(name: str, value: Any, limits: Limits) -> tuple[str, ...]:
+    out = tuple(text(name, v, limits) for v in array(name, value, limits))
+    for r in out:
+        if r not in PUT_RESULTS:
+            raise InvalidRequest(f"{name}: unknown result {r!r}; results are {PUT_RESULTS}")
+    return out
+
+
+def segments(name: str, value: Any, limits: Limits) -> tuple[Segment, ...]:
+    out = []
+    for entry in array(name, value, limits):
+        if not isinstance(entry, dict):
+            raise InvalidRequest(f"{name}: a segment is a map {{name, size}}")
+        if "name" not in entry or "size" not in entry:
+            raise InvalidRequest(f"{name}: a segment needs 'name' and 'size'")
+        out.append(Segment(text(name, entry["name"], limits),
+                           uint(name, entry["size"], limits, 1)))
+    return tuple(out)
+
+
+def limits_map(name: str, value: Any, limits: Limits) -> Limits:
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"{name} must be a map")
+    kwargs = {}
+    for key in Limits.__slots__:
+        if key not in value:
+            raise InvalidRequest(f"{name} lacks {key!r}")
+        kwargs[key] = uint(f"{name}.{key}", value[key], limits, 1)
+    if kwargs["max_header_len"] > 0xFFFF_FFFF:
+        raise InvalidRequest(f"{name}.max_header_len must fit in u32")
+    return Limits(**kwargs)
+
+
+def stats_map(name: str, value: Any, limits: Limits, depth: int = 0) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"{name} must be a map")
+    if depth >= MAX_STATS_DEPTH:
+        raise LimitExceeded(f"{name} nests deeper than {MAX_STATS_DEPTH} maps")
+    for key, item in value.items():
+        if not isinstance(key, str):
+            raise InvalidRequest(f"{name}: keys must be strings")
+        if isinstance(item, dict):
+            stats_map(f"{name}.{key}", item, limits, depth + 1)
+        elif item is not None and not isinstance(item, (bool, int, float, str)):
+            raise InvalidRequest(f"{name}.{key}: values are scalars or maps")
+    return value
+
+
+def unsigned(name: str, value: Any, limits: Limits) -> int:
+    return uint(name, value, limits)
+
+
+CHECKERS: dict[str, Checker] = {
+    "version": version, "client": text, "tenant": text, "token": text, "server": text,
+    "limits": limits_map, "segments": segments, "fds": unsigned,
+    "ns_id": ns_id, "hashes": hashes, "sizes": sizes, "lens": lens, "headers": headers,
+    "lease": unsigned, "lease_ms": lease_ms, "priority": priority,
+    "num_hits": unsigned, "tiers": tiers, "slots": slots, "results": put_results,
+    "committed": unsigned, "deleted": unsigned, "stats": stats_map,
+}
+"""Checker of every header field, by name: a name means the same thing in every message."""
+
+
+def to_wire(value: Any) -> Any:
+    """The msgpack form of a typed field value (Limits and Segment become maps)."""
+    if isinstance(value, Limits):
+        return value.to_wire()
+    if isinstance(value, tuple) and value and isinstance(value[0], Segment):
+        return [{"name": s.name, "size": s.size} for s in value]
+    return value

@@ -6,8 +6,8 @@ import enum
 from dataclasses import dataclass
 from typing import NewType
 
-NS_ID_LEN = 16
-"""Bytes in a namespace id (SPEC.md §2)."""
+
+from kvtier_protocol.namespace import NS_ID_LEN  # bytes in a namespace id (SPEC.md §2.4)
 
 BlockKey = NewType("BlockKey", bytes)
 """``ns_id (16 bytes) || chain_hash`` — one block, globally. The same bytes are the RocksDB key."""

@@ -15,6 +15,8 @@ from typing import Any
 
 import cbor2
 
+from kvtier_protocol.codec_plan import CODECS
+from kvtier_protocol.dtypes import DTYPE_SIZES as ALL_DTYPE_SIZES
 from kvtier_protocol.errors import NamespaceError
 from kvtier_protocol.keys import DEFAULT_SCHEME, SCHEMES, ExtraKeys, block_keys, chain_hashes
 
@@ -23,11 +25,9 @@ NS_DOMAIN = b"kvtier-ns-v1\x00"
 """Prefix of the hashed bytes: ``ns_id = sha256(NS_DOMAIN || canonical_bytes)[:16]``."""
 
 ATTENTIONS = ("mha", "mla")
-DTYPE_SIZES: dict[str, int] = {
-    "bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1,
-}
-"""KV dtypes by name, with their element size in bytes."""
-CODECS = ("raw", "int8", "int4", "int2", "fp8_e4m3")
+KV_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2")
+DTYPE_SIZES: dict[str, int] = {name: ALL_DTYPE_SIZES[name] for name in KV_DTYPES}
+"""KV dtypes by name, with their element size in bytes (the floating subset of §6.1)."""
 LOSSY_SOURCE_DTYPES = ("bfloat16", "float16", "float32")
 """Lossy codecs quantize floating KV of these dtypes; fp8 KV is stored raw only."""
 

@@ -6,7 +6,6 @@ import enum
 from dataclasses import dataclass
 from typing import NewType
 
-
 from kvtier_protocol.namespace import NS_ID_LEN  # bytes in a namespace id (SPEC.md §2.4)
 
 BlockKey = NewType("BlockKey", bytes)

@@ -137,7 +137,7 @@ class ReserveRequest(Message):
     id: int
     ns_id: bytes
     hashes: tuple[bytes, ...]
-    sizes: tuple[int, ...]  # record length (block header + payload) per key
+    sizes: tuple[int, ...]  # payload length per key (the header travels in commit)
     lease_ms: int = DEFAULT_LEASE_MS
     priority: int = 0  # higher is kept longer
 

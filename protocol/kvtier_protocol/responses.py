@@ -77,7 +77,7 @@ class AcquireResponse(Message):
     IS_RESPONSE: ClassVar[bool] = True
     id: int
     lease: int  # 0 when nothing was acquired
-    slots: tuple[SlotRef | None, ...]  # per key: slot holding the record, or nil (missing)
+    slots: tuple[SlotRef | None, ...]  # per key: slot holding the payload, or nil (missing)
     headers: tuple[bytes | None, ...]  # per key: the encoded block header, or nil (missing)
 
     def _check(self, limits: Limits) -> None:

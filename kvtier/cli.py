@@ -10,6 +10,11 @@ from collections.abc import Sequence
 from kvtier import __version__
 from kvtier.bench import SUITES
 
+COMMANDS: tuple[str, ...] = ()
+"""Modules under kvtier/commands/ that each expose ``register(subparsers)``: it adds its
+subcommands with ``set_defaults(func=...)``; func(args) -> exit status. Keep their top-level
+imports light (argparse only): heavy imports belong inside func."""
+
 
 def _add_bench(sub: argparse._SubParsersAction, argv: Sequence[str]) -> None:
     bench = sub.add_parser("bench", help="measure kvtier next to its baselines")
@@ -36,11 +41,26 @@ def _run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_selftest(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("selftest", help="round-trip blocks through every tier and codec on this machine")
+    p.add_argument("--data-dir", default=None, help="where the disk tier goes (default: a temp dir)")
+    p.set_defaults(func=_run_selftest)
+
+
+def _run_selftest(args: argparse.Namespace) -> int:
+    from kvtier.selftest import run
+
+    return run(args)
+
+
 def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvtier", description="kvtier KV-cache store")
     parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_bench(sub, argv)
+    _add_selftest(sub)
+    for module_path in COMMANDS:
+        importlib.import_module(module_path).register(sub)
     return parser
 
 

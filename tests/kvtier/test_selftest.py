@@ -1,0 +1,17 @@
+"""`kvtier selftest` — what the README's first command runs — passes on this machine."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+
+def test_selftest_command_passes(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "kvtier", "selftest", "--data-dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert lines and all(line.startswith("[ok]") for line in lines), out.stdout
+    assert any("flipped on disk" in line for line in lines)
+    assert (tmp_path / "CURRENT").exists() or any(tmp_path.iterdir()), "the disk tier wrote to --data-dir"

@@ -149,9 +149,10 @@ def format_table(result: SuiteResult) -> str:
     return "\n".join(out)
 
 
-def emit(results: Sequence[SuiteResult], *, json_path: str | None, stream: TextIO = sys.stdout) -> None:
+def emit(results: Sequence[SuiteResult], *, json_path: str | None, stream: TextIO | None = None) -> None:
     """Print every suite's table; write the JSON file when asked (one suite: the object itself,
     several: a list of them)."""
+    stream = stream or sys.stdout  # looked up at call time, so pytest's capture sees the table
     for res in results:
         print(format_table(res), file=stream)
         print(file=stream)

@@ -1,0 +1,316 @@
+"""The block index: per-block metadata, prefix lookup, LRU membership and byte accounting.
+
+Torch-free, I/O-free, asyncio-free; every method is O(1) per block except :meth:`lookup`
+(O(keys)) and the namespace scans (O(blocks in the namespace)).
+
+A block is in one of two states. ``PENDING``: a reservation holds a host slot that a client is
+writing; it counts against capacity but is invisible to lookup and never evicted. ``COMMITTED``:
+visible, with a copy in one or more tiers. A block removed from the index while a reader still
+holds a lease on it is *unlinked*: its key is free for a new block at once, its slot stays charged
+until the last lease is released (a reader is still copying out of it).
+
+Charges: a memory tier (GPU, host) is charged the payload size; the disk tier the whole record
+(header + payload), which is what it stores.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from kvtier.store.policy import PriorityLru
+from kvtier.store.types import BlockKey, Slot, Tier, split_key
+
+TIERS = (Tier.GPU, Tier.HOST, Tier.DISK)
+"""Tiers the index accounts for, fastest first (REMOTE is not local bookkeeping)."""
+
+
+class BlockState(enum.Enum):
+    PENDING = "pending"
+    COMMITTED = "committed"
+
+
+@dataclass(slots=True, eq=False)
+class BlockMeta:
+    """Everything the store knows about one block. Mutated only through :class:`BlockIndex`."""
+
+    key: BlockKey  # ns_id || chain_hash
+    size: int  # payload bytes (what a memory slot holds)
+    state: BlockState = BlockState.PENDING
+    header: bytes = b""  # the encoded header (empty while pending)
+    parent_hash: bytes | None = None  # header summary, for events and inspection
+    num_tokens: int = 0  # header summary
+    checksum: int = 0  # the header's payload checksum, verified on every move and disk read
+    host_slot: Slot | None = None  # copy in the shared host tier
+    gpu_slot: Slot | None = None  # copy in the GPU tier
+    on_disk: bool = False  # copy in the disk tier
+    priority: int = 0  # eviction class: 0 goes first
+    hits: int = 0  # acquires that served this block
+    prior_accesses: int = 0  # accesses before it was last dropped (admission filter ghost)
+    last_access: float = 0.0  # clock of the last commit / acquire / touch
+    leases: int = 0  # open leases on the block; > 0 pins its memory copies
+    moving: bool = False  # a transactional move is in flight; not a victim meanwhile
+    linked: bool = False  # reachable by key (False: deleted while leased, or never added)
+
+    @property
+    def ns_id(self) -> bytes:
+        return split_key(self.key)[0]
+
+    @property
+    def chain_hash(self) -> bytes:
+        return split_key(self.key)[1]
+
+    @property
+    def committed(self) -> bool:
+        return self.state is BlockState.COMMITTED
+
+    @property
+    def accesses(self) -> int:
+        """The commit that stored it, plus every hit, plus remembered earlier accesses."""
+        return 1 + self.hits + self.prior_accesses
+
+    def in_tier(self, tier: Tier) -> bool:
+        if tier is Tier.HOST:
+            return self.host_slot is not None
+        if tier is Tier.DISK:
+            return self.on_disk
+        if tier is Tier.GPU:
+            return self.gpu_slot is not None
+        return False
+
+    @property
+    def tiers(self) -> list[Tier]:
+        """Tiers holding a copy, fastest first."""
+        return [t for t in TIERS if self.in_tier(t)]
+
+    @property
+    def fastest_tier(self) -> Tier | None:
+        """The fastest tier holding a copy (lookup's answer; kept cheap, it runs per key)."""
+        if self.gpu_slot is not None:
+            return Tier.GPU
+        if self.host_slot is not None:
+            return Tier.HOST
+        return Tier.DISK if self.on_disk else None
+
+    def charge(self, tier: Tier) -> int:
+        """Bytes this block occupies in ``tier`` (see module docstring)."""
+        return len(self.header) + self.size if tier is Tier.DISK else self.size
+
+
+class BlockIndex:
+    """Key → :class:`BlockMeta`, per-tier LRU with priority classes, per-tier byte accounting.
+
+    Args:
+        capacities: byte budget per tier (0 for a tier that is off).
+        num_classes: priority classes of the LRU queues.
+    """
+
+    def __init__(self, capacities: dict[Tier, int], num_classes: int) -> None:
+        self.capacity = {t: capacities.get(t, 0) for t in TIERS}
+        self.used = {t: 0 for t in TIERS}
+        self.count = {t: 0 for t in TIERS}
+        self.num_classes = num_classes
+        self.pending = 0
+        self._blocks: dict[BlockKey, BlockMeta] = {}
+        self._by_ns: dict[bytes, set[BlockKey]] = {}
+        # Queues hold the BlockMeta objects themselves (identity-hashed, eq=False): an unlinked block
+        # and a newer block with the same key never collide.
+        self._lru: dict[Tier, PriorityLru[BlockMeta]] = {t: PriorityLru(num_classes) for t in TIERS}
+
+    # --- lookup ------------------------------------------------------------------------------
+
+    def get(self, key: BlockKey) -> BlockMeta | None:
+        """The linked block with ``key`` (pending or committed), or None."""
+        return self._blocks.get(key)
+
+    def visible(self, key: BlockKey) -> BlockMeta | None:
+        """The committed block with ``key``, or None."""
+        meta = self._blocks.get(key)
+        return meta if meta is not None and meta.committed else None
+
+    def lookup(self, keys: Iterable[BlockKey]) -> list[BlockMeta]:
+        """The longest run of committed blocks from the start of ``keys``. O(len(result) + 1)."""
+        out: list[BlockMeta] = []
+        blocks, committed = self._blocks, BlockState.COMMITTED
+        for key in keys:
+            meta = blocks.get(key)
+            if meta is None or meta.state is not committed:
+                break
+            out.append(meta)
+        return out
+
+    def namespace(self, ns_id: bytes) -> list[BlockMeta]:
+        """Every linked block of a namespace (pending ones included)."""
+        return [self._blocks[k] for k in self._by_ns.get(ns_id, ())]
+
+    def blocks(self) -> Iterator[BlockMeta]:
+        """Every linked block. Do not mutate the index while iterating."""
+        return iter(self._blocks.values())
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._blocks
+
+    # --- membership --------------------------------------------------------------------------
+
+    def add(self, meta: BlockMeta) -> None:
+        """Link a new block (pending or committed, in no tier yet)."""
+        assert meta.key not in self._blocks, "key already indexed"
+        assert not meta.tiers and not meta.linked, "add() takes a fresh block"
+        assert 0 <= meta.priority < self.num_classes, "priority out of range"
+        self._blocks[meta.key] = meta
+        self._by_ns.setdefault(meta.ns_id, set()).add(meta.key)
+        meta.linked = True
+        if not meta.committed:
+            self.pending += 1
+
+    def unlink(self, meta: BlockMeta) -> None:
+        """Make the key unreachable. Charges stay until :meth:`unplace` frees each copy."""
+        if not meta.linked:
+            return
+        del self._blocks[meta.key]
+        keys = self._by_ns[meta.ns_id]
+        keys.discard(meta.key)
+        if not keys:
+            del self._by_ns[meta.ns_id]
+        meta.linked = False
+        if not meta.committed:
+            self.pending -= 1
+        self._refresh(meta)
+
+    def commit(self, meta: BlockMeta, header: bytes, parent_hash: bytes | None, num_tokens: int,
+               checksum: int, now: float) -> None:
+        """Turn a pending block visible, with its header and the header's summary."""
+        assert meta.linked and not meta.committed, "commit() takes a linked pending block"
+        assert not meta.on_disk, "the disk charge depends on the header; place on disk after commit"
+        meta.header = header
+        meta.parent_hash = parent_hash
+        meta.num_tokens = num_tokens
+        meta.checksum = checksum
+        meta.state = BlockState.COMMITTED
+        meta.last_access = now
+        self.pending -= 1
+        self._refresh(meta)
+
+    # --- placement and accounting ------------------------------------------------------------
+
+    def has_room(self, tier: Tier, nbytes: int) -> bool:
+        return self.used[tier] + nbytes <= self.capacity[tier]
+
+    def free_bytes(self, tier: Tier) -> int:
+        return self.capacity[tier] - self.used[tier]
+
+    def place(self, meta: BlockMeta, tier: Tier, slot: Slot | None = None) -> None:
+        """Record a copy of ``meta`` in ``tier`` and charge its bytes."""
+        assert not meta.in_tier(tier), f"block already in {tier.name}"
+        assert (slot is None) == (tier is Tier.DISK), "memory tiers take a slot, disk none"
+        nbytes = meta.charge(tier)
+        assert self.used[tier] + nbytes <= self.capacity[tier], f"{tier.name} capacity exceeded"
+        if tier is Tier.HOST:
+            meta.host_slot = slot
+        elif tier is Tier.GPU:
+            meta.gpu_slot = slot
+        else:
+            meta.on_disk = True
+        self.used[tier] += nbytes
+        self.count[tier] += 1
+        self._refresh(meta)
+
+    def unplace(self, meta: BlockMeta, tier: Tier) -> Slot | None:
+        """Forget the copy in ``tier``, release its charge, return its slot for the caller to free."""
+        assert meta.in_tier(tier), f"block not in {tier.name}"
+        slot: Slot | None = None
+        if tier is Tier.HOST:
+            slot, meta.host_slot = meta.host_slot, None
+        elif tier is Tier.GPU:
+            slot, meta.gpu_slot = meta.gpu_slot, None
+        else:
+            meta.on_disk = False
+        self.used[tier] -= meta.charge(tier)
+        self.count[tier] -= 1
+        self._refresh(meta)
+        return slot
+
+    # --- recency, priority, leases -----------------------------------------------------------
+
+    def touch(self, meta: BlockMeta, now: float) -> None:
+        """Mark ``meta`` most recently used in every tier where it is queued."""
+        meta.last_access = now
+        for tier in TIERS:
+            self._lru[tier].touch(meta, meta.priority)
+
+    def set_priority(self, meta: BlockMeta, priority: int) -> None:
+        assert 0 <= priority < self.num_classes, "priority validated by the caller"
+        for tier in TIERS:
+            self._lru[tier].remove(meta, meta.priority)
+        meta.priority = priority
+        self._refresh(meta)
+
+    def lease(self, meta: BlockMeta) -> None:
+        """Pin the memory copies of ``meta`` (not victims while leased)."""
+        meta.leases += 1
+        self._refresh(meta)
+
+    def unlease(self, meta: BlockMeta) -> None:
+        assert meta.leases > 0, "unbalanced unlease"
+        meta.leases -= 1
+        self._refresh(meta)
+
+    def set_moving(self, meta: BlockMeta, moving: bool) -> None:
+        meta.moving = moving
+        self._refresh(meta)
+
+    def victims(self, tier: Tier) -> Iterator[BlockMeta]:
+        """Evictable blocks of ``tier`` in eviction order. Collect, then act."""
+        return self._lru[tier].victims()
+
+    def evictable(self, meta: BlockMeta, tier: Tier) -> bool:
+        """Committed, reachable, not in a move, and — for memory tiers — not leased.
+
+        A lease pins only the memory copies: a reader copies out of a host slot, never out of
+        the disk record, so the disk copy of a leased block may still be evicted.
+        """
+        if not (meta.linked and meta.committed and not meta.moving and meta.in_tier(tier)):
+            return False
+        return tier is Tier.DISK or meta.leases == 0
+
+    def _refresh(self, meta: BlockMeta) -> None:
+        """Bring LRU membership of ``meta`` in line with :meth:`evictable` (new entries go MRU)."""
+        for tier in TIERS:
+            lru = self._lru[tier]
+            if self.evictable(meta, tier):
+                if not lru.contains(meta, meta.priority):
+                    lru.push(meta, meta.priority)
+            else:
+                lru.remove(meta, meta.priority)
+
+    # --- audit -------------------------------------------------------------------------------
+
+    def accounting_errors(self, extra: Iterable[BlockMeta] = ()) -> list[str]:
+        """Recompute the charges from the blocks; describe any mismatch (empty when sound).
+
+        Args:
+            extra: unlinked blocks that still hold a charge (removed while leased), which the
+                index cannot reach by key.
+        """
+        used = {t: 0 for t in TIERS}
+        count = {t: 0 for t in TIERS}
+        pending = 0
+        for meta in [*self._blocks.values(), *extra]:
+            pending += meta.linked and not meta.committed
+            for tier in meta.tiers:
+                used[tier] += meta.charge(tier)
+                count[tier] += 1
+        errors = []
+        for tier in TIERS:
+            if used[tier] != self.used[tier] or count[tier] != self.count[tier]:
+                errors.append(f"{tier.name}: index says {self.used[tier]} B / {self.count[tier]} blocks, "
+                              f"blocks add up to {used[tier]} B / {count[tier]}")
+            if self.used[tier] > self.capacity[tier]:
+                errors.append(f"{tier.name}: {self.used[tier]} B used > capacity {self.capacity[tier]} B")
+        if pending != self.pending:
+            errors.append(f"pending: index says {self.pending}, blocks say {pending}")
+        return errors

@@ -1,0 +1,125 @@
+"""The put path of the store: reserve host or GPU slots, then commit what the client wrote into them.
+
+Runs with the store's mutex held; the store validates every argument before calling in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from kvtier_protocol.header import BlockHeader
+
+from kvtier.store.config import StoreConfig
+from kvtier.store.index import BlockIndex, BlockMeta
+from kvtier.store.lease import Lease, LeaseKind, LeaseTable
+from kvtier.store.moves import Mover
+from kvtier.store.policy import AdmissionFilter
+from kvtier.store.results import PutStatus, Reservation
+from kvtier.store.stats import EventKind, StoreCounters
+from kvtier.store.types import BlockKey, Tier
+
+
+class BlockWriter:
+    """Reservations and commits for :class:`~kvtier.store.store.TieredStore`."""
+
+    def __init__(self, cfg: StoreConfig, index: BlockIndex, mover: Mover, leases: LeaseTable[BlockMeta],
+                 admission: AdmissionFilter[BlockKey], counters: StoreCounters, now: Callable[[], float]) -> None:
+        self.cfg = cfg
+        self.index = index
+        self.mover = mover
+        self.leases = leases
+        self.admission = admission
+        self.counters = counters
+        self.now = now
+
+    async def reserve(self, keys: list[BlockKey], sizes: list[int], ttl: float, priority: int,
+                      tier: Tier) -> Reservation:
+        """Slots of memory tier ``tier`` for the new keys, in order, until one does not fit
+        (see ``TieredStore.reserve``)."""
+        now = self.now()
+        new_bytes = 0
+        for key, size in zip(keys, sizes):
+            meta = self.index.get(key)
+            if meta is None:
+                new_bytes += size
+            elif meta.committed:
+                self.index.touch(meta, now)  # first, so that making room below does not evict it
+        await self.mover.make_room(tier, new_bytes)
+        status: list[PutStatus] = []
+        blocks: list[BlockMeta | None] = []
+        full = False
+        for key, size in zip(keys, sizes):
+            meta = self.index.get(key)
+            if meta is not None:
+                status.append(PutStatus.STORED if meta.committed else PutStatus.PENDING)
+                blocks.append(None)
+                continue
+            slot = None if full else await self.mover.allocate(tier, size)
+            if slot is None:
+                full = True
+                status.append(PutStatus.FULL)
+                blocks.append(None)
+                continue
+            meta = BlockMeta(key, size, priority=priority, prior_accesses=self.admission.recall(key))
+            self.index.add(meta)
+            self.index.place(meta, tier, slot)
+            self.index.lease(meta)
+            status.append(PutStatus.RESERVED)
+            blocks.append(meta)
+        slots = [None if m is None else m.host_slot if tier is Tier.HOST else m.gpu_slot for m in blocks]
+        if not any(m is not None for m in blocks):
+            return Reservation(0, slots, status, tier=tier)
+        lease = self.leases.open(LeaseKind.PUT, keys, blocks, now + ttl)
+        return Reservation(lease.lease_id, slots, status, lease.expires_at, tier)
+
+    async def commit(self, lease: Lease[BlockMeta], headers: Sequence[bytes | None],
+                     parsed: Sequence[BlockHeader | None]) -> list[bool]:
+        """Commit the blocks of a put lease the caller already took out of the lease table.
+
+        With ``verify_on_commit`` or write-through, each payload is copied out of its slot (host
+        or GPU) and verified first; write-through then writes the verified copies to disk and
+        only blocks that reached the disk are acknowledged.
+        """
+        cfg = self.cfg
+        verify = cfg.verify_on_commit or cfg.write_through
+        todo = [(i, meta, buf, h) for i, (meta, buf, h) in enumerate(zip(lease.blocks, headers, parsed))
+                if meta is not None and buf is not None and h is not None]
+        payloads: list[bytes | None] = [None] * len(todo)
+        if verify and todo:
+            payloads = await self.mover.snapshot([m for _, m, _, _ in todo], [h.checksum for _, _, _, h in todo])
+        now = self.now()
+        committed: list[tuple[BlockMeta, bytes]] = []
+        for (_, meta, buf, h), payload in zip(todo, payloads):
+            if verify and payload is None:
+                self.counters.checksum_failures += 1
+                continue
+            self.index.commit(meta, bytes(buf), h.parent_hash, h.num_tokens, h.checksum, now)
+            committed.append((meta, payload or b""))
+        if cfg.write_through and committed:
+            await self.mover.write_disk(committed, announce=False)
+        ok = [False] * len(lease.keys)
+        for i, meta, _, _ in todo:
+            ok[i] = meta.committed and (meta.on_disk or not cfg.write_through)
+        for i, meta in enumerate(lease.blocks):
+            if meta is not None:
+                self.index.unlease(meta)
+                if ok[i]:
+                    self._announce(meta)
+                else:
+                    self.abandon(meta)
+        return ok
+
+    def _announce(self, meta: BlockMeta) -> None:
+        c = self.counters
+        c.commits += 1
+        tier = Tier.GPU if meta.gpu_slot is not None else Tier.HOST  # where it was reserved
+        c.tiers[tier].bytes_in += meta.size
+        self.mover.emit(EventKind.STORED, tier, meta)
+        if meta.on_disk:
+            c.write_throughs += 1
+            self.mover.emit(EventKind.STORED, Tier.DISK, meta)
+
+    def abandon(self, meta: BlockMeta) -> None:
+        """Drop a block that did not make it: abandoned, bad payload, failed write-through, expired."""
+        assert not meta.on_disk and not meta.leases, "only unacknowledged, unleased memory copies are abandoned"
+        self.mover.free_memory(meta, announce=False)  # in no tier afterwards, so unlinked too

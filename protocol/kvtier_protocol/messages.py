@@ -3,7 +3,9 @@
 Every message is a frozen dataclass whose fields, after ``id``, are the op-specific header keys
 in wire order; a field with a default is optional on the wire (omitted when None). ``payload``,
 where present, is the frame payload, never a header key. Checkers for each key live in
-:mod:`kvtier_protocol.wire_checks`; cross-field rules in each class's ``_check``. Torch-free.
+:mod:`kvtier_protocol.wire_checks` (those of the optional ``tokens`` / ``unit_hashes`` keys of commit
+and put are defined here and registered there); cross-field rules in each class's ``_check``.
+Torch-free.
 """
 
 from __future__ import annotations
@@ -12,9 +14,16 @@ import functools
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any, ClassVar
 
-from kvtier_protocol.errors import FrameError, InvalidRequest
+from kvtier_protocol.errors import FrameError, InvalidRequest, LimitExceeded
 from kvtier_protocol.frame_codec import Limits, Payload
-from kvtier_protocol.wire_checks import CHECKERS, DEFAULT_LEASE_MS, to_wire
+from kvtier_protocol.wire_checks import (CHECKERS, DEFAULT_LEASE_MS, MAX_HASH_LEN, MIN_HASH_LEN,
+                                         array, binary, to_wire, uint)
+
+MAX_TOKEN_ID = (1 << 63) - 1
+"""Largest token id ``tokens`` accepts (engines keep token ids in int32/int64)."""
+MAX_KEY_TOKENS = 65536
+"""Most entries of one key's ``tokens`` or ``unit_hashes`` (a namespace's largest block_tokens,
+SPEC §2.1; kept here so the frame layer does not import the namespace module)."""
 
 
 class Message:
@@ -104,6 +113,60 @@ def split_records(payload: Payload, lengths: tuple[int | None, ...]) -> list[mem
     return out
 
 
+def _per_key(name: str, value: Any, limits: Limits, item: Any) -> tuple[Any, ...]:
+    """An array of one entry per key, each nil or a non-empty array of ``item`` values."""
+    out = []
+    for entry in array(name, value, limits):
+        if entry is None:
+            out.append(None)
+            continue
+        if not isinstance(entry, (list, tuple)) or not entry:
+            raise InvalidRequest(f"{name}: each entry is nil or a non-empty array")
+        if len(entry) > MAX_KEY_TOKENS:
+            raise LimitExceeded(f"{name}: {len(entry)} entries for one key, limit {MAX_KEY_TOKENS}")
+        out.append(tuple(item(entry_value) for entry_value in entry))
+    return tuple(out)
+
+
+def token_lists(name: str, value: Any, limits: Limits) -> tuple[tuple[int, ...] | None, ...]:
+    """``tokens``: per key, nil or the block's token ids (uint below 2**63)."""
+    return _per_key(name, value, limits, lambda t: uint(name, t, limits, 0, MAX_TOKEN_ID))
+
+
+def unit_hash_lists(name: str, value: Any,
+                    limits: Limits) -> tuple[tuple[bytes, ...] | None, ...]:
+    """``unit_hashes``: per key, nil or the block's hash-unit digests, first unit first."""
+    return _per_key(name, value, limits, lambda h: binary(name, h, MIN_HASH_LEN, MAX_HASH_LEN))
+
+
+# Registered with the other checkers so that a key name keeps one meaning in every message.
+CHECKERS.update(tokens=token_lists, unit_hashes=unit_hash_lists)
+
+
+def check_token_info(op: str, num_keys: int, tokens: tuple[tuple[int, ...] | None, ...] | None,
+                     unit_hashes: tuple[tuple[bytes, ...] | None, ...] | None) -> None:
+    """Cross-field rules of the optional ``tokens`` / ``unit_hashes`` keys of commit and put.
+
+    Raises:
+        InvalidRequest: not one entry per key; unit hashes for a key without tokens; token
+            count not a multiple of the unit count.
+    """
+    for name, arr in (("tokens", tokens), ("unit_hashes", unit_hashes)):
+        if arr is not None and len(arr) != num_keys:
+            raise InvalidRequest(f"{op}: {name} has {len(arr)} entries for {num_keys} keys")
+    if unit_hashes is None:
+        return
+    for i, units in enumerate(unit_hashes):
+        if units is None:
+            continue
+        toks = tokens[i] if tokens is not None else None
+        if toks is None:
+            raise InvalidRequest(f"{op}: unit_hashes[{i}] is given without tokens[{i}]")
+        if len(toks) % len(units):
+            raise InvalidRequest(f"{op}: {len(toks)} tokens do not split into "
+                                 f"{len(units)} equal hash units (key {i})")
+
+
 # --- requests ----------------------------------------------------------------------------------
 
 
@@ -153,6 +216,13 @@ class CommitRequest(Message):
     id: int
     lease: int
     headers: tuple[bytes | None, ...]  # encoded block header per reserved key; nil: not written
+    # Optional, for KV events only (llm-d recomputes keys from token ids): per key, the block's
+    # token ids and its hash-unit digests (the last one equals the key); nil where unknown.
+    tokens: tuple[tuple[int, ...] | None, ...] | None = None
+    unit_hashes: tuple[tuple[bytes, ...] | None, ...] | None = None
+
+    def _check(self, limits: Limits) -> None:
+        check_token_info(self.OP, len(self.headers), self.tokens, self.unit_hashes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +255,9 @@ class PutRequest(Message):
     hashes: tuple[bytes, ...]
     lens: tuple[int | None, ...]  # record length per key; never nil in a put
     priority: int = 0
+    # Optional, for KV events only: as in CommitRequest.
+    tokens: tuple[tuple[int, ...] | None, ...] | None = None
+    unit_hashes: tuple[tuple[bytes, ...] | None, ...] | None = None
     payload: Payload = field(default=b"", kw_only=True)
 
     def frame_payload(self) -> Payload | None:
@@ -201,6 +274,10 @@ class PutRequest(Message):
         total = sum(n or 0 for n in self.lens)
         if total != payload_len(self.payload):
             raise FrameError(f"put: lens sum to {total}, payload is {payload_len(self.payload)}")
+        check_token_info(self.OP, len(self.hashes), self.tokens, self.unit_hashes)
+        for i, units in enumerate(self.unit_hashes or ()):
+            if units is not None and units[-1] != self.hashes[i]:
+                raise InvalidRequest(f"put: the last of unit_hashes[{i}] is not the key")
 
 
 @dataclass(frozen=True, slots=True)

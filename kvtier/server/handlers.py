@@ -1,0 +1,309 @@
+"""The data-plane operations (SPEC.md §7.4) mapped onto the :class:`~kvtier.store.TieredStore` API.
+
+One :class:`RequestHandler` serves every connection; what belongs to one connection (its leases,
+whether it received segments) lives in its :class:`Session`. Transport concerns (frames, hello,
+descriptor passing, in-flight limits) are :mod:`kvtier.server.connection`'s.
+
+::
+
+    reserve ─► Session.leases[id] = PutLease ─► commit ─► store.commit ─► note token info
+    put     ─► check records ─► reserve ─► copy payloads into host slots ─► commit   (all or nothing)
+    get     ─► acquire ─► copy header + payload of each block out ─► release
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvtier_protocol import frames as fr
+from kvtier_protocol.errors import (ChecksumMismatch, InvalidRequest, KVTierError, LeaseError,
+                                    StorageError)
+from kvtier_protocol.header import decode_header
+from kvtier_protocol.namespace import Namespace
+
+from kvtier.server.events import BlockTokens
+from kvtier.server.inline import check_records, copy_into, copy_out, run_sized
+from kvtier.store.results import PutStatus
+from kvtier.store.types import Slot
+
+if TYPE_CHECKING:
+    from kvtier.server.context import DaemonContext
+
+log = logging.getLogger(__name__)
+
+
+
+@dataclass(frozen=True, slots=True)
+class PutLease:
+    """What a connection remembers of one of its reservations, to check the commit against."""
+
+    ns_id: bytes
+    hashes: tuple[bytes, ...]
+    reserved: tuple[bool, ...]  # per key: whether the reservation gave it a slot
+
+
+@dataclass(slots=True)
+class Session:
+    """Per-connection state the operations read and change.
+
+    Attributes:
+        tcp: the connection is TCP (payloads inline, mutating calls need the token).
+        hello_done: a hello succeeded; other requests are served from then on.
+        has_segments: the hello response carried the host segments (shared-memory ops allowed).
+        authenticated: the hello presented the daemon's token (or none is configured).
+        leases: the leases this connection holds: a PutLease for a reservation, None for an
+            acquire. Every one still here when the connection ends is released.
+    """
+
+    tcp: bool
+    hello_done: bool = False
+    has_segments: bool = False
+    authenticated: bool = False
+    leases: dict[int, PutLease | None] = field(default_factory=dict)
+
+
+class RequestHandler:
+    """Executes validated requests (everything but hello) against the daemon's store."""
+
+    def __init__(self, ctx: DaemonContext, limits: fr.Limits) -> None:
+        self.ctx = ctx
+        self.store = ctx.store
+        self.limits = limits
+
+    async def handle(self, req: fr.Request, session: Session) -> fr.Message:
+        """Run one request and return its typed response.
+
+        Raises:
+            KVTierError: the typed error to answer with.
+        """
+        if req.OP in ("reserve", "commit", "acquire") and not session.has_segments:
+            raise InvalidRequest(f"{req.OP} needs the shared-memory segments of a unix socket "
+                                 "connection; use put/get")
+        method = getattr(self, "_" + req.OP)
+        return await method(req, session)
+
+    # --- shared memory path --------------------------------------------------------------------
+
+    async def _lookup(self, req: fr.LookupRequest, session: Session) -> fr.Message:
+        found = self.store.lookup(req.ns_id, req.hashes)
+        ns = self._namespace(req.ns_id)
+        if ns is not None:  # unknown namespace: tokens per block unknown, nothing counted
+            misses = len(req.hashes) - found.num_hits
+            self.ctx.metrics.add_lookup_tokens(found.num_hits * ns.block_tokens, misses * ns.block_tokens)
+        return fr.LookupResponse(req.id, found.num_hits, tuple(t.name.lower() for t in found.tiers))
+
+    async def _reserve(self, req: fr.ReserveRequest, session: Session) -> fr.Message:
+        res = await self.store.reserve(req.ns_id, req.hashes, req.sizes, lease_s=req.lease_ms / 1000,
+                                       priority=self._priority(req.priority))
+        if res.lease_id:
+            reserved = tuple(s is PutStatus.RESERVED for s in res.status)
+            session.leases[res.lease_id] = PutLease(req.ns_id, req.hashes, reserved)
+        slots = tuple(_slot_ref(slot) if status is PutStatus.RESERVED else _NOT_RESERVED[status]
+                      for slot, status in zip(res.slots, res.status))
+        return fr.ReserveResponse(req.id, res.lease_id, slots)
+
+    async def _commit(self, req: fr.CommitRequest, session: Session) -> fr.Message:
+        info = session.leases.get(req.lease)
+        if info is None:
+            raise LeaseError(f"no reservation {req.lease} on this connection")
+        try:
+            self._check_commit(req, info)
+            tokens = self._token_info(info.hashes, req.headers, req.tokens, req.unit_hashes)
+            self._maybe_register(info.ns_id, req.headers)
+            ok = await self._commit_all(req.lease, req.headers, info.ns_id, info.hashes)
+        except BaseException:
+            self.store.release(req.lease)  # SPEC §7.4: a failed commit ends the lease
+            raise
+        finally:
+            del session.leases[req.lease]
+        self._note_tokens(info.ns_id, tokens, ok)
+        return fr.CommitResponse(req.id, sum(ok))
+
+    async def _acquire(self, req: fr.AcquireRequest, session: Session) -> fr.Message:
+        got = await self.store.acquire(req.ns_id, req.hashes, lease_s=req.lease_ms / 1000)
+        if got.lease_id:
+            session.leases[got.lease_id] = None
+        missing = len(req.hashes) - len(got.blocks)
+        slots = tuple(_slot_ref(b.slot) for b in got.blocks) + (None,) * missing
+        headers = tuple(b.header for b in got.blocks) + (None,) * missing
+        return fr.AcquireResponse(req.id, got.lease_id, slots, headers)
+
+    async def _release(self, req: fr.ReleaseRequest, session: Session) -> fr.Message:
+        if req.lease:
+            if req.lease not in session.leases:
+                raise LeaseError(f"no lease {req.lease} on this connection")
+            del session.leases[req.lease]
+            if not self.store.release(req.lease):
+                raise LeaseError(f"lease {req.lease} has expired")
+        return fr.ReleaseResponse(req.id)
+
+    # --- inline path ---------------------------------------------------------------------------
+
+    async def _put(self, req: fr.PutRequest, session: Session) -> fr.Message:
+        records = req.records()
+        headers, payloads = await run_sized(sum(req.lens), check_records, req.ns_id, req.hashes, records)
+        tokens = self._token_info(req.hashes, headers, req.tokens, req.unit_hashes)
+        self._maybe_register(req.ns_id, headers)
+        res = await self.store.reserve(req.ns_id, req.hashes, [len(p) for p in payloads],
+                                       priority=self._priority(req.priority))
+        reserved = [s is PutStatus.RESERVED for s in res.status]
+        ok: list[bool] = [False] * len(reserved)
+        if res.lease_id:
+            session.leases[res.lease_id] = PutLease(req.ns_id, req.hashes, tuple(reserved))
+            try:
+                todo = [(self.store.host.view(slot), payload)
+                        for slot, payload, r in zip(res.slots, payloads, reserved) if r]
+                await run_sized(sum(len(p) for _, p in todo), copy_into, todo)
+                ok = await self._commit_all(res.lease_id, [h if r else None for h, r in zip(headers, reserved)],
+                                            req.ns_id, req.hashes)
+            except BaseException:
+                self.store.release(res.lease_id)
+                raise
+            finally:
+                del session.leases[res.lease_id]
+            self._note_tokens(req.ns_id, tokens, ok)
+        results = tuple("stored" if done else _PUT_RESULT[status] for done, status in zip(ok, res.status))
+        return fr.PutResponse(req.id, results)
+
+    async def _get(self, req: fr.GetRequest, session: Session) -> fr.Message:
+        got = await self.store.acquire(req.ns_id, req.hashes)
+        try:
+            budget = self.limits.max_payload_len
+            todo: list[tuple[bytes, memoryview]] = []
+            for block in got.blocks:
+                size = len(block.header) + block.slot.length
+                if size > budget:
+                    break  # SPEC §7.4: records that no longer fit are answered nil, as if missing
+                budget -= size
+                todo.append((block.header, self.store.host.view(block.slot)))
+            parts = await run_sized(sum(v.nbytes for _, v in todo), copy_out, todo)
+        finally:
+            if got.lease_id:
+                self.store.release(got.lease_id)
+        lens = tuple(len(h) + v.nbytes for h, v in todo) + (None,) * (len(req.hashes) - len(todo))
+        return fr.GetResponse(req.id, lens, payload=parts)
+
+    # --- both paths ----------------------------------------------------------------------------
+
+    async def _delete(self, req: fr.DeleteRequest, session: Session) -> fr.Message:
+        return fr.DeleteResponse(req.id, await self.store.delete(req.ns_id, req.hashes))
+
+    async def _clear(self, req: fr.ClearRequest, session: Session) -> fr.Message:
+        return fr.ClearResponse(req.id, await self.store.clear(req.ns_id))
+
+    async def _stats(self, req: fr.StatsRequest, session: Session) -> fr.Message:
+        return fr.StatsResponse(req.id, stats_map(self.ctx))
+
+    async def _ping(self, req: fr.PingRequest, session: Session) -> fr.Message:
+        return fr.PingResponse(req.id)
+
+    # --- helpers -------------------------------------------------------------------------------
+
+    def _priority(self, wire_priority: int) -> int:
+        # The wire allows -128..127; the store has priority_classes classes from 0.
+        return max(0, min(wire_priority, self.store.config.priority_classes - 1))
+
+    def _namespace(self, ns_id: bytes) -> Namespace | None:
+        return next((ns for ns in self.store.namespaces() if ns.ns_id == ns_id), None)
+
+    @staticmethod
+    def _check_commit(req: fr.CommitRequest, info: PutLease) -> None:
+        if len(req.headers) != len(info.hashes):
+            raise InvalidRequest(f"commit: {len(req.headers)} headers for a reservation of "
+                                 f"{len(info.hashes)} keys")
+        for i, (buf, reserved) in enumerate(zip(req.headers, info.reserved)):
+            if buf is not None and not reserved:
+                raise InvalidRequest(f"commit: headers[{i}] names a key the reservation gave no slot")
+
+    @staticmethod
+    def _token_info(hashes: Sequence[bytes], headers: Sequence[bytes | None],
+                    tokens: Sequence[tuple[int, ...] | None] | None,
+                    unit_hashes: Sequence[tuple[bytes, ...] | None] | None) -> list[BlockTokens | None]:
+        """Per key, the token info to hand the event hub (None where the request carries none)."""
+        out: list[BlockTokens | None] = [None] * len(hashes)
+        if tokens is None:
+            return out
+        for i, (key, buf, toks) in enumerate(zip(hashes, headers, tokens)):
+            units = unit_hashes[i] if unit_hashes is not None else None
+            if units is not None and units[-1] != key:
+                raise InvalidRequest(f"the last of unit_hashes[{i}] is not the key it describes")
+            if toks is None or buf is None:
+                continue
+            parent = decode_header(buf)[0].parent_hash
+            out[i] = BlockTokens(key, parent, toks, units or ())
+        return out
+
+    def _note_tokens(self, ns_id: bytes, tokens: list[BlockTokens | None], ok: list[bool]) -> None:
+        # Called right after the commit returned and before any other await: the store queued
+        # the blocks' events during the commit, and the event pump (another task) can only run
+        # at our next await, so it finds this token info when it publishes those events.
+        blocks = [t for t, done in zip(tokens, ok) if t is not None and done]
+        if blocks:
+            self.ctx.events.note_blocks(ns_id, blocks)
+
+    def _maybe_register(self, ns_id: bytes, headers: Sequence[bytes | None]) -> None:
+        """Register the namespace from the first header's ns_fields when it is not known yet."""
+        if self._namespace(ns_id) is not None:
+            return
+        buf = next((h for h in headers if h is not None), None)
+        if buf is None:
+            return
+        try:
+            fields = decode_header(buf)[0].ns_fields
+            ns = Namespace.from_wire(fields) if fields is not None else None
+        except KVTierError:
+            return  # a bad header is refused by the commit itself; bad ns_fields are informative
+        if ns is not None and ns.ns_id == ns_id:
+            self.store.register_namespace(ns)
+            log.info("registered namespace %s (%s)", ns_id.hex(), ns.model)
+
+    async def _commit_all(self, lease_id: int, headers: Sequence[bytes | None], ns_id: bytes,
+                          hashes: Sequence[bytes]) -> list[bool]:
+        """store.commit, made all or nothing: if a written key fails (bad payload found by
+        ``verify_on_commit``, failed write-through), the keys it did make visible are deleted."""
+        cfg = self.store.config
+        verified = cfg.verify_on_commit or cfg.write_through  # else commit cannot fail per key
+        before = self.store.counters.checksum_failures if verified else 0
+        ok = await self.store.commit(lease_id, headers)
+        failed = [i for i, buf in enumerate(headers) if buf is not None and not ok[i]]
+        if not failed:
+            return ok
+        await self.store.delete(ns_id, [h for h, done in zip(hashes, ok) if done])
+        if self.store.counters.checksum_failures > before:
+            raise ChecksumMismatch(f"{len(failed)} payloads do not match their header checksums; "
+                                   "nothing was committed")
+        raise StorageError(f"{len(failed)} blocks could not be written through to disk; "
+                           "nothing was committed")
+
+
+_NOT_RESERVED = {PutStatus.STORED: fr.EXISTS, PutStatus.PENDING: fr.EXISTS, PutStatus.FULL: None}
+_PUT_RESULT = {PutStatus.STORED: "exists", PutStatus.PENDING: "exists", PutStatus.FULL: "full",
+               PutStatus.RESERVED: "full"}  # RESERVED but not committed only happens on failure
+
+
+def _slot_ref(slot: Slot) -> fr.SlotRef:
+    return (slot.segment, slot.offset, slot.length)
+
+
+def stats_map(ctx: DaemonContext) -> dict[str, Any]:
+    """The ``stats`` response map: store counters, tier gauges and server facts (informative)."""
+    store = ctx.store
+    counters = store.counters
+    gauges = store.gauges()
+    out: dict[str, Any] = {f: getattr(counters, f) for f in counters.__slots__ if f != "tiers"}
+    out["tiers"] = {t.name.lower(): {f: getattr(c, f) for f in c.__slots__} for t, c in counters.tiers.items()}
+    return {
+        "server": {"version": ctx.version, "uptime_s": round(time.time() - ctx.started_at, 3),
+                   "ready": ctx.ready},
+        "counters": out,
+        "tiers": {t.name.lower(): {"capacity_bytes": g.capacity_bytes, "used_bytes": g.used_bytes,
+                                   "blocks": g.blocks} for t, g in gauges.tiers.items()},
+        "blocks": gauges.blocks, "pending": gauges.pending, "leases": gauges.leases,
+        "fragmentation": gauges.fragmentation,
+    }
+
+

@@ -1,0 +1,119 @@
+"""Auth: configured or generated token, private token file, constant-time checks, no leaks."""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+
+import pytest
+from kvtier_protocol.errors import Unauthorized
+
+from kvtier.config import AuthConfig, ConfigError
+from kvtier.server.auth import Auth, TokenFileError
+
+SECRET = "s3cret-token-value"
+
+
+def test_configured_token_is_checked():
+    auth = Auth.from_config(AuthConfig(token=SECRET), "/nonexistent")
+    assert auth.required and auth.source == "config"
+    assert auth.check(SECRET)
+    assert not auth.check(SECRET + "x") and not auth.check("") and not auth.check(None)
+    assert not auth.check("\udcff")  # a lone surrogate (undecodable text) is just wrong
+    auth.require(SECRET)
+    with pytest.raises(Unauthorized, match="required"):
+        auth.require(None)
+    with pytest.raises(Unauthorized, match="wrong"):
+        auth.require("nope")
+
+
+def test_no_token_accepts_anyone():
+    auth = Auth(None)
+    assert not auth.required and auth.check(None) and auth.check("anything")
+    auth.require(None)
+
+
+def test_token_never_in_repr_or_errors():
+    auth = Auth(SECRET)
+    assert SECRET not in repr(auth) and SECRET not in str(auth)
+    with pytest.raises(Unauthorized) as info:
+        auth.require("guess")
+    assert SECRET not in str(info.value) and "guess" not in str(info.value)
+
+
+def test_generated_token_file_is_private_and_reused(tmp_path, caplog):
+    data_dir = tmp_path / "state"
+    with caplog.at_level(logging.INFO, logger="kvtier.server.auth"):
+        first = Auth.from_config(AuthConfig(), str(data_dir))
+    path = data_dir / "token"
+    assert first.source == str(path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(data_dir.stat().st_mode) == 0o700
+    assert len(first.token) == 43 and path.read_text() == first.token + "\n"
+    assert first.token not in caplog.text and str(path) in caplog.text
+    second = Auth.from_config(AuthConfig(), str(data_dir))
+    assert second.token == first.token
+
+
+def test_configured_token_file_path(tmp_path):
+    path = tmp_path / "etc" / "kvtier.token"
+    auth = Auth.from_config(AuthConfig(token_file=str(path)), str(tmp_path / "unused"))
+    assert auth.source == str(path) and path.exists()
+    assert not (tmp_path / "unused").exists()
+
+
+def test_existing_token_file_is_read_stripped(tmp_path):
+    path = tmp_path / "token"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    os.write(fd, b"  my-own-token\n")
+    os.close(fd)
+    assert Auth.from_config(AuthConfig(token_file=str(path)), str(tmp_path)).token == "my-own-token"
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o620])
+def test_group_or_world_accessible_token_file_is_refused(tmp_path, mode):
+    path = tmp_path / "token"
+    path.write_text(SECRET)
+    path.chmod(mode)
+    with pytest.raises(TokenFileError, match="chmod 600") as info:
+        Auth.from_config(AuthConfig(token_file=str(path)), str(tmp_path))
+    assert isinstance(info.value, ConfigError) and SECRET not in str(info.value)
+    assert path.read_text() == SECRET  # left alone
+
+
+def test_symlinks_and_non_files_are_refused(tmp_path):
+    target = tmp_path / "real"
+    target.write_text(SECRET)
+    target.chmod(0o600)
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    with pytest.raises(TokenFileError, match="symlink"):
+        Auth.from_config(AuthConfig(token_file=str(link)), str(tmp_path))
+    folder = tmp_path / "dir"
+    folder.mkdir(mode=0o700)
+    with pytest.raises(TokenFileError, match="not a regular file"):
+        Auth.from_config(AuthConfig(token_file=str(folder)), str(tmp_path))
+
+
+@pytest.mark.parametrize("content", [b"", b"\n  \n", b"two words", b"\xff\xfe", b"x" * 2000])
+def test_malformed_token_files_are_refused(tmp_path, content):
+    path = tmp_path / "token"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    os.write(fd, content)
+    os.close(fd)
+    with pytest.raises(TokenFileError):
+        Auth.from_config(AuthConfig(token_file=str(path)), str(tmp_path))
+
+
+@pytest.mark.parametrize("token", ["", "has space", "tab\there", "x" * 1025])
+def test_malformed_configured_tokens_are_refused(token):
+    with pytest.raises(TokenFileError):
+        Auth(token)
+
+
+def test_uncreatable_token_file_is_a_typed_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(TokenFileError, match="Not a directory"):
+        Auth.from_config(AuthConfig(token_file=str(blocker / "token")), str(tmp_path))

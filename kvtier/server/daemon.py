@@ -44,6 +44,7 @@ from kvtier.store.config import StoreConfig, StoreConfigError
 from kvtier.store.store import TieredStore
 
 log = logging.getLogger(__name__)
+SIGNAL_DEBOUNCE_S = 0.5  # a repeat of the stop signal within this window is the same request
 
 PUMP_INTERVAL_S = 0.02  # store events reach subscribers within this
 RECLAIM_INTERVAL_S = 1.0  # expired leases are freed this often even when no request arrives
@@ -79,6 +80,7 @@ class Daemon:
         self._stop_requested = asyncio.Event()
         self._stopping: asyncio.Task[None] | None = None
         self._forced = 0  # the signal that cut the shutdown short
+        self._first_signal_at = 0.0
 
     async def run(self, ready_cb: Callable[[DaemonContext], None] | None = None) -> int:
         loop = asyncio.get_running_loop()
@@ -114,8 +116,14 @@ class Daemon:
                 loop.remove_signal_handler(sig)
 
     def _on_signal(self, sig: int) -> None:
+        now = time.monotonic()
         if not self._stop_requested.is_set():
+            self._first_signal_at = now
             self._stop_requested.set()
+        elif now - self._first_signal_at < SIGNAL_DEBOUNCE_S:
+            # One Ctrl-C, or `timeout`/`kill -- -PGID`, can deliver the same signal twice (to the
+            # process and to its group); only a deliberate second signal skips the drain.
+            return
         elif self._stopping is not None and not self._stopping.done() and not self._forced:
             log.warning("kvtierd: %s again, stopping now", signal.Signals(sig).name)
             self._forced = sig

@@ -244,6 +244,16 @@ def test_ready_within_2_s_with_a_4_gib_host_tier_and_no_torch(tmp_path: Path, da
     assert not {"torch", "numpy"} & imported, "the start-up path must not import torch"
 
 
+def test_a_repeated_signal_within_the_debounce_still_drains(tmp_path: Path, daemons: list[Kvtierd]) -> None:
+    d = Kvtierd(tmp_path, "--host-bytes", "64MiB", "--disk-bytes", "256MiB")
+    daemons.append(d)
+    d.wait_for("kvtierd ready in")
+    d.proc.send_signal(signal.SIGINT)
+    d.proc.send_signal(signal.SIGINT)  # as `timeout` or a process-group kill delivers it
+    assert d.proc.wait(timeout=30) == 0
+    d.wait_for("kvtierd stopped")
+
+
 def test_a_second_sigint_cuts_the_shutdown_short(tmp_path: Path, daemons: list[Kvtierd]) -> None:
     d = Kvtierd(tmp_path, "--listen", "127.0.0.1:0", "--host-bytes", "192MiB", "--disk-bytes", "512MiB")
     daemons.append(d)
@@ -255,6 +265,7 @@ def test_a_second_sigint_cuts_the_shutdown_short(tmp_path: Path, daemons: list[K
     client.close()
     d.proc.send_signal(signal.SIGINT)
     d.wait_for("kvtierd stopping")
+    time.sleep(0.6)  # past the debounce: a repeat within 0.5 s counts as the same request
     t0 = time.monotonic()
     assert d.stop(signal.SIGINT) == 128 + signal.SIGINT
     assert time.monotonic() - t0 < 5.0

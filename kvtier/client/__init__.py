@@ -1,0 +1,29 @@
+"""Clients of the kvtier daemon: :class:`Client` (blocking) and :class:`AsyncClient` (asyncio).
+
+Both speak the data plane of protocol/SPEC.md §7 over a unix socket (payloads through the
+daemon's shared memory, whose segments arrive as descriptors at hello) or over TCP (payloads
+inline, token required), and offer the same calls: ``lookup``, ``save``, ``load``,
+``save_tensors``, ``load_tensors``, ``delete``, ``clear``, ``stats``, ``ping``, ``close``.
+
+Importing this package loads none of the daemon's dependencies (aiohttp, RocksDB, Prometheus,
+ZMQ) and no torch: the tensor helpers import torch when first called.
+"""
+
+from kvtier.client.address import Address, parse_address
+from kvtier.client.aio import AsyncClient
+from kvtier.client.errors import ConnectionLost, TimedOut
+from kvtier.client.flows import NO_HITS, LookupResult
+from kvtier.client.options import ClientOptions
+from kvtier.client.session import Session
+from kvtier.client.sync import Client
+
+connect = Client.connect
+"""``connect(address, **options) -> Client``: a connected blocking client."""
+
+connect_async = AsyncClient.connect
+"""``await connect_async(address, **options) -> AsyncClient``: a connected asyncio client."""
+
+__all__ = [
+    "NO_HITS", "Address", "AsyncClient", "Client", "ClientOptions", "ConnectionLost",
+    "LookupResult", "Session", "TimedOut", "connect", "connect_async", "parse_address",
+]

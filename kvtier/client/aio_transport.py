@@ -1,0 +1,248 @@
+"""An asyncio data-plane connection: many requests in flight, matched to responses by id.
+
+::
+
+    call() ──frame(id=n)──► writer          reader task ──► pending[n].set_result(frame)
+       └──────── await future[n] ◄───────────────┘
+
+The hello runs on the raw socket before the streams take it over, because asyncio's streams
+cannot receive descriptors: on a unix socket the first bytes of the hello response are read with
+``recvmsg`` (``socket.recv_fds``), which also receives the segment descriptors (SPEC.md §7.4).
+When the connection breaks, every waiting call fails with :class:`ConnectionLost` and the
+segments are unmapped. A call cancelled after the daemon granted it a lease (acquire, reserve)
+gets that lease released, so an abandoned request does not pin blocks until the lease expires.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import socket
+
+from kvtier_protocol.errors import FrameError, KVTierError, ProtocolError
+from kvtier_protocol.frames import (DEFAULT_LIMITS, Frame, FrameDecoder, Response, encode_frame,
+                                    encode_frame_bytes, parse_response, raise_for_error,
+                                    read_frame)
+
+from kvtier.client.address import Address
+from kvtier.client.errors import ConnectionLost, TimedOut, Unreachable
+from kvtier.client.flows import Call
+from kvtier.client.options import ClientOptions
+from kvtier.client.session import MAX_FDS, Session, hello_keys, open_session
+
+_FIRST_READ = 64 << 10
+_LEASE_OPS = ("acquire", "reserve")
+
+
+def _fresh(exc: BaseException) -> BaseException:
+    """A new instance of ``exc``'s error for each waiter (one instance shared by many tasks would
+    collect all their tracebacks)."""
+    return type(exc)(exc.message) if isinstance(exc, KVTierError) else ConnectionLost(str(exc))
+
+
+async def _recv_fds(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> tuple[bytes, list[int]]:
+    while True:
+        try:
+            data, fds, flags, _ = socket.recv_fds(sock, _FIRST_READ, MAX_FDS)
+        except BlockingIOError:
+            ready = loop.create_future()
+            loop.add_reader(sock.fileno(), lambda: ready.done() or ready.set_result(None))
+            try:
+                await ready
+            finally:
+                loop.remove_reader(sock.fileno())
+            continue
+        if flags & socket.MSG_CTRUNC:
+            for fd in fds:
+                os.close(fd)
+            raise FrameError("segment descriptors of the hello response were truncated")
+        return data, fds
+
+
+async def _unix_hello(address: Address, hello: bytes) -> tuple[socket.socket, Frame, list[int]]:
+    loop = asyncio.get_running_loop()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    fds: list[int] = []
+    try:
+        sock.setblocking(False)
+        await loop.sock_connect(sock, address.path)
+        await loop.sock_sendall(sock, hello)
+        data, fds = await _recv_fds(loop, sock)
+        decoder = FrameDecoder(DEFAULT_LIMITS)
+        frames = decoder.feed(data)
+        while not frames:
+            if not data:
+                raise ConnectionLost(f"daemon at {address} closed the connection during hello")
+            data = await loop.sock_recv(sock, _FIRST_READ)
+            frames = decoder.feed(data)
+        if len(frames) > 1 or decoder.buffered:
+            raise FrameError("the daemon sent more than the hello response before the first request")
+        return sock, frames[0], fds
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        sock.close()
+        raise
+
+
+class AsyncConnection:
+    """One connection after a successful hello. Create with :meth:`open`."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, session: Session,
+                 address: Address) -> None:
+        self.session = session
+        self._reader, self._writer, self._address = reader, writer, address
+        self._ids = itertools.count(2)  # 1 was the hello
+        self._pending: dict[int, tuple[str, asyncio.Future[Frame]] | None] = {}
+        self._slots = asyncio.Semaphore(session.limits.max_inflight)
+        self._error: BaseException | None = None
+        self._task = asyncio.get_running_loop().create_task(self._read_loop())
+
+    @classmethod
+    async def open(cls, address: Address, options: ClientOptions) -> AsyncConnection:
+        """Connect and say hello within ``options.connect_timeout_s``.
+
+        Raises:
+            TimedOut, Unreachable, ConnectionLost: the daemon is silent, unreachable, or hung up.
+            Unauthorized, UnsupportedVersion: the daemon refused the hello.
+        """
+        hello = encode_frame_bytes({"op": "hello", "id": 1, **hello_keys(options)})
+        writer: asyncio.StreamWriter | None = None
+        try:
+            async with asyncio.timeout(options.connect_timeout_s):
+                if address.is_unix:
+                    sock, frame, fds = await _unix_hello(address, hello)
+                    try:
+                        response = parse_response("hello", frame, limits=DEFAULT_LIMITS)
+                        reader, writer = await asyncio.open_unix_connection(sock=sock)
+                    except BaseException:
+                        for fd in fds:
+                            os.close(fd)
+                        sock.close()
+                        raise
+                else:
+                    fds = []
+                    reader, writer = await asyncio.open_connection(address.host, address.port)
+                    writer.write(hello)
+                    await writer.drain()
+                    frame = await read_frame(reader, DEFAULT_LIMITS)
+                    if frame is None:
+                        raise ConnectionLost(f"daemon at {address} closed the connection during hello")
+                    response = parse_response("hello", frame, limits=DEFAULT_LIMITS)
+                session = open_session(response, fds, options)  # type: ignore[arg-type]
+        except BaseException as exc:
+            if writer is not None:
+                writer.transport.abort()
+            if isinstance(exc, TimeoutError):
+                raise TimedOut(f"no hello answer from {address} within "
+                               f"{options.connect_timeout_s}s") from None
+            if isinstance(exc, OSError):
+                raise Unreachable(f"cannot connect to {address}: {exc}") from exc
+            if isinstance(exc, asyncio.IncompleteReadError):
+                raise ConnectionLost(f"daemon at {address} closed the connection during hello") from exc
+            raise
+        assert writer is not None
+        return cls(reader, writer, session, address)
+
+    @property
+    def closed(self) -> bool:
+        """True once the connection broke or was closed."""
+        return self._error is not None
+
+    async def call(self, call: Call) -> Response:
+        """Send one request and await its typed response.
+
+        Raises:
+            ConnectionLost: the connection broke (before or while waiting).
+            KVTierError: the error the daemon answered, or a malformed response.
+        """
+        limits = self.session.limits
+        async with self._slots:
+            if self._error is not None:
+                raise _fresh(self._error)
+            ident = next(self._ids)
+            buffers = encode_frame({"op": call.op, "id": ident, **call.keys}, call.payload, limits=limits)
+            future: asyncio.Future[Frame] = asyncio.get_running_loop().create_future()
+            self._pending[ident] = (call.op, future)
+            try:
+                self._writer.writelines(buffers)
+                await self._writer.drain()
+            except OSError as exc:
+                self.abort(ConnectionLost(f"connection to {self._address} broke: {exc}"))
+            try:
+                frame = await future
+            except asyncio.CancelledError:
+                if future.done() and not future.cancelled():
+                    self._abandoned(call.op, future.result())
+                raise
+        raise_for_error(frame.header)
+        try:
+            return parse_response(call.op, frame, limits=limits)
+        except KVTierError as exc:
+            self.abort(exc)  # the daemon broke the schema: do not trust the stream any more
+            raise
+
+    def _abandoned(self, op: str, frame: Frame) -> None:
+        """Release the lease of a response nobody waits for any more."""
+        lease = frame.header.get("lease")
+        if op in _LEASE_OPS and frame.header.get("ok") is True and type(lease) is int and lease > 0:
+            if self._error is None:
+                ident = next(self._ids)
+                self._pending[ident] = None  # its answer is read and dropped
+                self._writer.writelines(encode_frame({"op": "release", "id": ident, "lease": lease}))
+
+    async def _read_loop(self) -> None:
+        error: BaseException = ConnectionLost(f"daemon at {self._address} closed the connection")
+        try:
+            while True:
+                frame = await read_frame(self._reader, self.session.limits)
+                if frame is None:
+                    break
+                entry = self._pending.pop(frame.id, False)
+                if entry is False:
+                    if frame.id == 0:  # a connection-level error; the daemon closes after it
+                        raise_for_error(frame.header)
+                    raise FrameError(f"response id {frame.id} answers no request in flight")
+                if entry is None:
+                    continue
+                op, future = entry
+                if future.done():
+                    self._abandoned(op, frame)
+                else:
+                    future.set_result(frame)
+        except (OSError, asyncio.IncompleteReadError) as exc:
+            error = ConnectionLost(f"connection to {self._address} broke: {exc}")
+        except ProtocolError as exc:
+            # Truncated (the stream ended inside a frame) is a lost connection; others are a
+            # broken daemon, reported as they are
+            error = ConnectionLost(exc.message) if exc.code == "truncated" else exc
+        except KVTierError as exc:
+            error = exc
+        finally:
+            self.abort(error)
+
+    def abort(self, error: BaseException) -> None:
+        """Break the connection: fail every waiting call with ``error``, close, unmap (idempotent)."""
+        if self._error is not None:
+            return
+        self._error = error
+        pending, self._pending = self._pending, {}
+        for entry in pending.values():
+            if entry is not None and not entry[1].done():
+                entry[1].set_exception(_fresh(error))
+        # abort, not close: close would wait to flush what a stuck daemon never reads
+        self._writer.transport.abort()
+        self.session.close()
+        if self._task is not asyncio.current_task():
+            self._task.cancel()
+
+    async def close(self) -> None:
+        """Close the connection and wait for its reader to end."""
+        self.abort(ConnectionLost(f"connection to {self._address} is closed"))
+        await asyncio.gather(self._task, return_exceptions=True)
+        try:
+            await self._writer.wait_closed()
+        except OSError:
+            pass  # the peer was gone already: closed is closed
+

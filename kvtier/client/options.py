@@ -1,0 +1,59 @@
+"""Options of a kvtier client connection (shared by :class:`Client` and :class:`AsyncClient`)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from kvtier_protocol.errors import InvalidRequest
+from kvtier_protocol.wire_checks import DEFAULT_LEASE_MS, MAX_TEXT_LEN
+
+
+@dataclass(frozen=True, slots=True)
+class ClientOptions:
+    """How a client connects and how long it waits.
+
+    Attributes:
+        token: the daemon's shared secret; required over TCP (and where the daemon asks for it
+            on its unix socket). Kept out of reprs and logs.
+        tenant: tenant whose host segments to map; None: the default pool.
+        client_name: free-form name the daemon logs for this connection.
+        timeout_s: bound on one call as a whole: every round trip, reconnect and retry it makes.
+            A call that runs out of time raises :class:`TimedOut` (or degrades to misses).
+        connect_timeout_s: bound on one connect + hello (also within ``timeout_s``).
+        retries: reconnect-and-retry attempts of an idempotent call after a lost connection
+            (``save`` retries at most once, and only before its commit was sent).
+        holddown_s: after a call found the daemon unavailable, later calls within this time fail
+            (or degrade) at once instead of waiting on a dead or stuck daemon again.
+        lease_ms: lifetime asked for reservations (save) and pins (load) over shared memory; the
+            daemon reclaims them after this time if the client vanishes.
+    """
+
+    token: str | None = field(default=None, repr=False)
+    tenant: str | None = None
+    client_name: str = "kvtier.client"
+    timeout_s: float = 5.0
+    connect_timeout_s: float = 2.0
+    retries: int = 2
+    holddown_s: float = 1.0
+    lease_ms: int = DEFAULT_LEASE_MS
+
+    def __post_init__(self) -> None:
+        for name in ("token", "tenant"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or len(value) > MAX_TEXT_LEN):
+                raise InvalidRequest(f"client option {name} must be a string of at most "
+                                     f"{MAX_TEXT_LEN} characters")
+        if not isinstance(self.client_name, str) or not 0 < len(self.client_name) <= MAX_TEXT_LEN:
+            raise InvalidRequest("client option client_name must be a non-empty string")
+        for name in ("timeout_s", "connect_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise InvalidRequest(f"client option {name} must be a positive number of seconds, "
+                                     f"got {value!r}")
+        if not isinstance(self.holddown_s, (int, float)) or not 0 <= self.holddown_s < math.inf:
+            raise InvalidRequest(f"client option holddown_s must be >= 0, got {self.holddown_s!r}")
+        if type(self.retries) is not int or not 0 <= self.retries <= 10:
+            raise InvalidRequest(f"client option retries must be an integer in 0..10, got {self.retries!r}")
+        if type(self.lease_ms) is not int or self.lease_ms < 1:
+            raise InvalidRequest(f"client option lease_ms must be a positive integer, got {self.lease_ms!r}")

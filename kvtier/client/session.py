@@ -1,0 +1,81 @@
+"""What a connection learns at hello (SPEC.md §7.4): the server, its limits, its segments.
+
+Shared by the blocking and the asyncio transports: they differ only in how bytes and
+descriptors move, not in what the hello request says or how its answer is checked.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier_protocol import PROTOCOL_VERSION
+from kvtier_protocol.errors import UnsupportedVersion
+from kvtier_protocol.frames import HelloResponse, Limits
+
+from kvtier.client.options import ClientOptions
+from kvtier.client.shm import SegmentMap
+
+MAX_FDS = 253
+"""Room for descriptors when reading the hello response (Linux's SCM_MAX_FD): a daemon may hand
+out one segment per tenant pool, and descriptors that find no room are lost (MSG_CTRUNC)."""
+
+
+@dataclass(slots=True)
+class Session:
+    """One connection's view of the daemon, fixed at hello.
+
+    Attributes:
+        server: the server's name and version (for logs).
+        limits: the daemon's limits; requests stay within them, responses are checked against them.
+        shm: the mapped host segments (unix socket), or None: then save and load go inline (put/get).
+        lease_ms: lease lifetime asked for reservations and pins, within ``limits.max_lease_ms``.
+    """
+
+    server: str
+    limits: Limits
+    shm: SegmentMap | None
+    lease_ms: int
+
+    def close(self) -> None:
+        """Unmap the segments (idempotent)."""
+        if self.shm is not None:
+            self.shm.close()
+
+
+def hello_keys(options: ClientOptions) -> dict[str, Any]:
+    """The op-specific keys of the hello request, in wire order (token last, omitted if None)."""
+    keys: dict[str, Any] = {"version": PROTOCOL_VERSION, "client": options.client_name}
+    if options.tenant is not None:
+        keys["tenant"] = options.tenant
+    if options.token is not None:
+        keys["token"] = options.token
+    return keys
+
+
+def open_session(response: HelloResponse, fds: Sequence[int], options: ClientOptions) -> Session:
+    """Check a hello response and map the segments whose descriptors came with it.
+
+    The descriptors are always consumed (mapped, then closed).
+
+    Raises:
+        UnsupportedVersion: the server speaks another protocol version.
+        FrameError: the number of descriptors differs from the segments announced.
+        StorageError: a segment cannot be mapped.
+    """
+    try:
+        if response.version != PROTOCOL_VERSION:
+            raise UnsupportedVersion(f"daemon speaks protocol {response.version}, "
+                                     f"this client {PROTOCOL_VERSION}")
+        if fds or (response.fds and response.segments):
+            owned, fds = fds, ()  # from_fds closes them, also when it fails
+            shm = SegmentMap.from_fds(response.segments, owned)
+        else:
+            shm = None  # TCP: no segments to map, payloads travel inline
+    finally:
+        for fd in fds:
+            os.close(fd)
+    lease_ms = min(options.lease_ms, response.limits.max_lease_ms)
+    return Session(server=response.server, limits=response.limits, shm=shm, lease_ms=lease_ms)

@@ -1,0 +1,116 @@
+"""The daemon's host segments, mapped into the client from descriptors received at hello.
+
+Over a unix socket the hello response carries one descriptor per segment (SCM_RIGHTS, SPEC.md
+§7.4). Slots name byte ranges of these segments; the client writes payloads into reserved slots
+(save) and copies payloads out of acquired ones (load), so only metadata crosses the socket::
+
+    segment 0 mapping   [ .... | slot (seg 0, off, len) | .... ]
+                                  ^ memoryview copy in / out
+
+Every slot the daemon names is bounds-checked against the mapping before it is touched: a wrong
+slot is a protocol error (FrameError), never a write outside the segment. Stdlib only.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Sequence
+
+from kvtier_protocol.errors import FrameError, StorageError
+from kvtier_protocol.frames import Segment, SlotRef
+
+from kvtier.client.errors import ConnectionLost
+
+Buffer = bytes | bytearray | memoryview
+
+
+class SegmentMap:
+    """Shared host segments mapped read-write into this process.
+
+    Views taken by :meth:`read_record` and :meth:`write` never outlive the call, so :meth:`close`
+    can always unmap.
+    """
+
+    def __init__(self, segments: Sequence[Segment], maps: Sequence[mmap.mmap]) -> None:
+        assert len(segments) == len(maps), "one mapping per segment"
+        self._segments = tuple(segments)
+        self._maps: list[mmap.mmap] = list(maps)
+
+    @classmethod
+    def from_fds(cls, segments: Sequence[Segment], fds: Sequence[int]) -> SegmentMap:
+        """Map each descriptor with the size of its segment; the descriptors are always closed.
+
+        Raises:
+            FrameError: the number of descriptors differs from the number of segments.
+            StorageError: a descriptor is smaller than its segment or cannot be mapped.
+        """
+        maps: list[mmap.mmap] = []
+        try:
+            if len(fds) != len(segments):
+                raise FrameError(f"hello announced {len(segments)} segments but "
+                                 f"{len(fds)} descriptors arrived")
+            for seg, fd in zip(segments, fds):
+                try:
+                    if os.fstat(fd).st_size < seg.size:
+                        raise StorageError(f"segment {seg.name!r} is smaller than the "
+                                           f"{seg.size} bytes announced")
+                    maps.append(mmap.mmap(fd, seg.size, flags=mmap.MAP_SHARED,
+                                          prot=mmap.PROT_READ | mmap.PROT_WRITE))
+                except (OSError, ValueError) as exc:
+                    raise StorageError(f"cannot map segment {seg.name!r}: {exc}") from exc
+        except BaseException:
+            for m in maps:
+                m.close()
+            raise
+        finally:
+            for fd in fds:
+                os.close(fd)  # each mapping holds its own reference to the memory
+        return cls(segments, maps)
+
+    @property
+    def segments(self) -> tuple[Segment, ...]:
+        """The segments, in the daemon's order (index = segment number of a slot)."""
+        return self._segments
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran."""
+        return not self._maps
+
+    def _range(self, slot: SlotRef) -> tuple[mmap.mmap, int, int]:
+        if not self._maps:
+            # the connection these slots belong to broke (and was unmapped) while a call waited
+            raise ConnectionLost("the connection and its segment mappings are closed")
+        segment, offset, length = slot
+        if not 0 <= segment < len(self._maps) or offset + length > self._segments[segment].size:
+            raise FrameError(f"daemon named slot {slot} outside its segments")
+        return self._maps[segment], offset, offset + length
+
+    def write(self, slot: SlotRef, data: Buffer) -> None:
+        """Copy ``data`` (exactly the slot's length) into ``slot``.
+
+        Raises:
+            FrameError: the slot lies outside the segments or its length differs from ``data``.
+        """
+        mm, start, end = self._range(slot)
+        with memoryview(data) as src, memoryview(mm) as dst:
+            if src.nbytes != end - start:
+                raise FrameError(f"daemon gave a slot of {end - start} bytes for a {src.nbytes}-byte payload")
+            dst[start:end] = src.cast("B") if src.format != "B" or src.ndim != 1 else src
+
+    def read_record(self, header: bytes, slot: SlotRef) -> bytes:
+        """A private copy of ``header`` followed by the slot's bytes: one whole block record.
+
+        Raises:
+            FrameError: the slot lies outside the segments.
+        """
+        mm, start, end = self._range(slot)
+        with memoryview(mm) as view, view[start:end] as part:
+            return b"".join((header, part))  # one copy of the payload, into the result
+
+    def close(self) -> None:
+        """Unmap every segment (idempotent)."""
+        maps, self._maps = self._maps, []
+        for m in maps:
+            m.close()

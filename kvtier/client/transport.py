@@ -1,0 +1,221 @@
+"""A blocking data-plane connection: one request at a time over a plain socket.
+
+No event loop: frames are written with ``sendmsg`` (header and payload buffers gathered, not
+joined) and read with ``recv_into`` into buffers sized from the preamble, after its lengths were
+checked against the limits. Every wait is bounded by the call's deadline. The hello response on
+a unix socket is read with ``recvmsg`` (``socket.recv_fds``) so that the segment descriptors
+attached to it arrive with its first bytes (SPEC.md §7.4).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import time
+from collections.abc import Sequence
+
+from kvtier_protocol.errors import FrameError, KVTierError
+from kvtier_protocol.frames import (DEFAULT_LIMITS, PREAMBLE_LEN, Buffer, Frame, Limits,
+                                    decode_header, encode_frame, parse_preamble, parse_response,
+                                    raise_for_error)
+
+from kvtier.client.address import Address
+from kvtier.client.errors import ConnectionLost, TimedOut, Unreachable
+from kvtier.client.flows import Call
+from kvtier.client.options import ClientOptions
+from kvtier.client.retry import remaining_s
+from kvtier.client.session import MAX_FDS, Session, hello_keys, open_session
+
+_IOV_MAX = 1024  # buffers per sendmsg (Linux UIO_MAXIOV)
+_FIRST_READ = 64 << 10
+
+
+def connect_socket(address: Address, timeout: float) -> socket.socket:
+    """A connected blocking socket to ``address``.
+
+    Raises:
+        TimedOut: the connection was not made within ``timeout``.
+        Unreachable: refused, no such socket, or another OS error.
+    """
+    try:
+        if address.is_unix:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.settimeout(timeout)
+                sock.connect(address.path)
+            except BaseException:
+                sock.close()
+                raise
+        else:
+            sock = socket.create_connection((address.host, address.port), timeout=timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except TimeoutError as exc:
+        raise TimedOut(f"connecting to {address} timed out") from exc
+    except OSError as exc:
+        raise Unreachable(f"cannot connect to {address}: {exc.strerror or exc}") from exc
+    return sock
+
+
+class BlockingConnection:
+    """One connection after a successful hello; not thread-safe (the client serializes calls)."""
+
+    def __init__(self, sock: socket.socket, address: Address) -> None:
+        self._sock: socket.socket | None = sock
+        self._address = address
+        self._ids = itertools.count(1)
+        self._pending = bytearray()  # bytes read with the hello descriptors beyond what was used
+        self.session: Session | None = None
+
+    @classmethod
+    def open(cls, address: Address, options: ClientOptions, deadline: float) -> BlockingConnection:
+        """Connect and say hello within ``connect_timeout_s`` (and before ``deadline``); on a unix
+        socket, map the segments handed over.
+
+        Raises:
+            TimedOut, ConnectionLost: as :func:`connect_socket`, or during hello.
+            Unauthorized, UnsupportedVersion: the daemon refused the hello.
+        """
+        deadline = min(deadline, time.monotonic() + options.connect_timeout_s)
+        sock = connect_socket(address, remaining_s(deadline, "connect"))
+        conn = cls(sock, address)
+        try:
+            conn._hello(options, deadline)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    @property
+    def closed(self) -> bool:
+        """True once the connection broke or was closed."""
+        return self._sock is None
+
+    def _hello(self, options: ClientOptions, deadline: float) -> None:
+        ident = next(self._ids)
+        self._send(encode_frame({"op": "hello", "id": ident, **hello_keys(options)}), deadline)
+        fds: list[int] = []
+        try:
+            if self._address.is_unix:
+                fds = self._recv_with_fds(deadline)
+            frame = self._recv_frame(DEFAULT_LIMITS, deadline)
+            self._check_id(frame, ident)
+            response = parse_response("hello", frame, limits=DEFAULT_LIMITS)
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        self.session = open_session(response, fds, options)  # type: ignore[arg-type]
+
+    def _recv_with_fds(self, deadline: float) -> list[int]:
+        sock = self._live()
+        try:
+            sock.settimeout(remaining_s(deadline, "hello"))
+            data, fds, flags, _ = socket.recv_fds(sock, _FIRST_READ, MAX_FDS)
+        except TimeoutError as exc:
+            raise TimedOut(f"no hello answer from {self._address}") from exc
+        except OSError as exc:
+            raise ConnectionLost(f"hello to {self._address} failed: {exc}") from exc
+        if flags & socket.MSG_CTRUNC:
+            for fd in fds:
+                os.close(fd)
+            raise FrameError("segment descriptors of the hello response were truncated")
+        if not data:
+            for fd in fds:
+                os.close(fd)
+            raise ConnectionLost(f"daemon at {self._address} closed the connection during hello")
+        self._pending += data
+        return fds
+
+    def call(self, call: Call, deadline: float) -> object:
+        """Send one request and return its typed response.
+
+        Raises:
+            ConnectionLost, TimedOut: the connection broke or stayed silent (it is closed then).
+            KVTierError: the error the daemon answered, or a malformed response (connection
+                closed then).
+        """
+        session = self.session
+        assert session is not None, "hello precedes every call"
+        ident = next(self._ids)
+        buffers = encode_frame({"op": call.op, "id": ident, **call.keys}, call.payload,
+                               limits=session.limits)  # a request above the limits: caller's error
+        try:
+            self._send(buffers, deadline)
+            frame = self._recv_frame(session.limits, deadline)
+            self._check_id(frame, ident)
+        except BaseException:
+            self.close()  # the stream may be mid-frame: never reuse it
+            raise
+        raise_for_error(frame.header)
+        try:
+            return parse_response(call.op, frame, limits=session.limits)
+        except KVTierError:
+            self.close()  # the daemon broke the schema: do not trust the stream any more
+            raise
+
+    def _check_id(self, frame: Frame, ident: int) -> None:
+        if frame.id == ident:
+            return
+        if frame.id == 0:  # a connection-level error: the daemon closes the stream after it
+            raise_for_error(frame.header)
+        raise FrameError(f"response id {frame.id} answers no request in flight (expected {ident})")
+
+    def _live(self) -> socket.socket:
+        if self._sock is None:
+            raise ConnectionLost(f"connection to {self._address} is closed")
+        return self._sock
+
+    def _send(self, buffers: Sequence[Buffer], deadline: float) -> None:
+        sock = self._live()
+        views = [memoryview(b).cast("B") for b in buffers if len(b)]
+        try:
+            while views:
+                sock.settimeout(remaining_s(deadline, "send"))
+                sent = sock.sendmsg(views[:_IOV_MAX], (), socket.MSG_NOSIGNAL)
+                while sent:
+                    if sent >= views[0].nbytes:
+                        sent -= views.pop(0).nbytes
+                    else:
+                        views[0], sent = views[0][sent:], 0
+        except TimeoutError as exc:
+            raise TimedOut(f"sending to {self._address} timed out") from exc
+        except OSError as exc:
+            raise ConnectionLost(f"connection to {self._address} broke: {exc}") from exc
+
+    def _recv_exact(self, n: int, deadline: float, *, at_frame_start: bool = False) -> bytearray:
+        buf = bytearray(n)
+        got = min(n, len(self._pending))
+        if got:
+            buf[:got] = self._pending[:got]
+            del self._pending[:got]
+        sock = self._live()
+        with memoryview(buf) as view:
+            try:
+                while got < n:
+                    sock.settimeout(remaining_s(deadline, "receive"))
+                    k = sock.recv_into(view[got:])
+                    if not k:
+                        where = "between frames" if at_frame_start and not got else "inside a frame"
+                        raise ConnectionLost(f"daemon at {self._address} closed the connection {where}")
+                    got += k
+            except TimeoutError as exc:
+                raise TimedOut(f"no answer from {self._address} in time") from exc
+            except OSError as exc:
+                raise ConnectionLost(f"connection to {self._address} broke: {exc}") from exc
+        return buf
+
+    def _recv_frame(self, limits: Limits, deadline: float) -> Frame:
+        preamble = self._recv_exact(PREAMBLE_LEN, deadline, at_frame_start=True)
+        header_len, payload_len, has_payload = parse_preamble(preamble, limits)
+        header = decode_header(self._recv_exact(header_len, deadline))
+        payload = memoryview(self._recv_exact(payload_len, deadline)).toreadonly() if has_payload else None
+        return Frame(header, payload)
+
+    def close(self) -> None:
+        """Close the socket and unmap the segments (idempotent)."""
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+        if self.session is not None:
+            self.session.close()

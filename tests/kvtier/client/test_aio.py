@@ -1,0 +1,148 @@
+"""The asyncio client against the toy peer (peer.py): pipelining, timeouts, reconnects, leases."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import pytest
+
+from kvtier.client import NO_HITS, AsyncClient, ConnectionLost, LookupResult, TimedOut
+from kvtier_protocol.errors import FrameError, Unauthorized
+from kvtier_protocol.frames import Limits
+from tests.kvtier.client.clientkit import NS_ID, key, make_blocks
+from tests.kvtier.client.peer import Peer
+
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize("path", ["unix", "tcp"])
+async def test_round_trip_and_every_op(peer: Peer, path: str) -> None:
+    address = peer.unix_path if path == "unix" else f"tcp://127.0.0.1:{peer.tcp_port}"
+    blocks = make_blocks(3, 2 * MiB)
+    keys = [k for k, _ in blocks]
+    async with await AsyncClient.connect(address) as kv:
+        assert (kv.session.shm is not None) == (path == "unix")
+        assert await kv.save(NS_ID, blocks) == ["stored"] * 3
+        assert await kv.lookup(NS_ID, keys) == LookupResult(3, ("host",) * 3)
+        assert await kv.load(NS_ID, keys) == [r for _, r in blocks]
+        assert (await kv.stats())["blocks"] == 3
+        assert await kv.ping() > 0
+        assert await kv.delete(NS_ID, keys[2:]) == 1
+        assert await kv.clear(NS_ID) == 2
+        assert await kv.lookup(NS_ID, keys) is NO_HITS
+    assert not peer.leases
+
+
+async def test_many_requests_in_flight_answered_out_of_order(peer: Peer) -> None:
+    blocks = make_blocks(4, 64 << 10)
+    keys = [k for k, _ in blocks]
+    peer.delays["lookup"] = 0.5
+    async with AsyncClient(peer.unix_path) as kv:
+        await kv.save(NS_ID, blocks)
+        start = time.monotonic()
+        lookups = [asyncio.ensure_future(kv.lookup(NS_ID, keys[:i % 4 + 1])) for i in range(20)]
+        loaded = await asyncio.gather(*[kv.load(NS_ID, keys[i:]) for i in range(4)])
+        assert not any(t.done() for t in lookups), "later requests were answered first"
+        assert loaded == [[r for _, r in blocks[i:]] for i in range(4)]
+        hits = await asyncio.gather(*lookups)
+        assert [h.num_hits for h in hits] == [1, 2, 3, 4] * 5
+        assert time.monotonic() - start < 0.5 * 4, "the lookups ran concurrently on one connection"
+    assert peer.ops["hello"] == 1
+
+
+async def test_stuck_daemon_degrades_then_reconnects(peer: Peer) -> None:
+    blocks = make_blocks(2, 4096)
+    keys = [k for k, _ in blocks]
+    async with AsyncClient(peer.unix_path, timeout_s=0.4, holddown_s=0.2) as kv:
+        await kv.save(NS_ID, blocks)
+        peer.stalled.set()
+        start = time.monotonic()
+        results = await asyncio.gather(kv.lookup(NS_ID, keys), kv.load(NS_ID, keys))
+        assert results == [NO_HITS, []]
+        assert time.monotonic() - start < 0.4 + 0.3
+        await asyncio.sleep(0.25)
+        with pytest.raises(TimedOut):
+            await kv.lookup(NS_ID, keys, degrade=False)
+        peer.stalled.clear()
+        await asyncio.sleep(0.25)
+        assert await kv.load(NS_ID, keys) == [r for _, r in blocks]
+    assert peer.ops["hello"] >= 2
+
+
+async def test_lost_connection_fails_waiters_who_retry(peer: Peer) -> None:
+    blocks = make_blocks(2, 4096)
+    keys = [k for k, _ in blocks]
+    async with AsyncClient(peer.unix_path) as kv:
+        await kv.save(NS_ID, blocks)
+        peer.delays["lookup"] = 0.2
+        pending = [asyncio.ensure_future(kv.lookup(NS_ID, keys)) for _ in range(8)]
+        await asyncio.sleep(0.05)
+        peer.drop_connections()
+        peer.delays.clear()
+        assert [h.num_hits for h in await asyncio.gather(*pending)] == [2] * 8
+    assert peer.ops["hello"] == 2
+
+
+async def test_save_is_not_retried_after_commit_was_sent(peer: Peer) -> None:
+    blocks = make_blocks(1, 4096)
+    async with AsyncClient(peer.unix_path) as kv:
+        peer.drop_on.add("commit")
+        with pytest.raises(ConnectionLost):
+            await kv.save(NS_ID, blocks)
+        peer.drop_on.add("reserve")
+        assert await kv.save(NS_ID, blocks) == ["stored"]
+    assert peer.ops["reserve"] == 3 and peer.ops["commit"] == 2
+
+
+async def test_cancelled_load_releases_its_pin(peer: Peer) -> None:
+    blocks = make_blocks(2, 4096)
+    async with AsyncClient(peer.unix_path) as kv:
+        await kv.save(NS_ID, blocks)
+        peer.delays["acquire"] = 0.2
+        task = asyncio.ensure_future(kv.load(NS_ID, [k for k, _ in blocks]))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(50):
+            if peer.ops["release"]:
+                break
+            await asyncio.sleep(0.02)
+        assert peer.ops["release"] == 1 and not peer.leases  # the late grant was released
+        assert await kv.ping() > 0  # the connection stays usable
+
+
+async def test_token_and_dead_daemon(make_peer: Callable[..., Peer]) -> None:
+    peer = make_peer(token="t0k")
+    tcp = f"127.0.0.1:{peer.tcp_port}"
+    with pytest.raises(Unauthorized):
+        await AsyncClient.connect(tcp, token="nope")
+    async with AsyncClient(tcp, token="t0k", holddown_s=0) as kv:
+        assert await kv.lookup(NS_ID, [key(1)]) is NO_HITS
+        assert kv.session.shm is None
+        peer.stop()
+        peer.stop = lambda: None  # type: ignore[method-assign]
+        assert await kv.lookup(NS_ID, [key(1)]) is NO_HITS
+        with pytest.raises(ConnectionLost):
+            await kv.lookup(NS_ID, [key(1)], degrade=False)
+
+
+async def test_in_flight_requests_stay_within_the_daemons_limit(make_peer: Callable[..., Peer]) -> None:
+    peer = make_peer(limits=Limits(max_inflight=3))
+    peer.delays["ping"] = 0.05
+    async with AsyncClient(peer.unix_path) as kv:
+        await asyncio.gather(*[kv.ping() for _ in range(12)])
+    assert peer.ops["ping"] == 12 and peer.most_inflight == 3
+
+
+async def test_malformed_response_breaks_only_that_connection(peer: Peer) -> None:
+    async with AsyncClient(peer.unix_path) as kv:
+        await kv.ping()
+        peer.bad_reply.add("stats")
+        with pytest.raises(FrameError):
+            await kv.stats()
+        peer.bad_reply.clear()
+        assert (await kv.stats())["blocks"] == 0  # a fresh connection
+    assert peer.ops["hello"] == 2

@@ -1,0 +1,184 @@
+"""Both clients against the real daemon (``kvtier serve`` as a subprocess), over its unix socket
+and TCP: byte-identical round trips, blocks shared between processes, a client killed between
+reserve and commit, a stopped and restarted daemon, and the TCP token."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from kvtier.client import NO_HITS, AsyncClient, Client, LookupResult
+from kvtier_protocol.errors import Unauthorized
+from tests.kvtier.client.clientkit import NS_ID, make_blocks
+from tests.kvtier.client.daemonkit import ENV, ROOT, Daemon, free_port
+
+MiB = 1 << 20
+
+SAVE_IN_SUBPROCESS = """
+import sys
+from kvtier.client import Client
+from tests.kvtier.client.clientkit import NS_ID, make_blocks
+with Client(sys.argv[1]) as kv:
+    print(",".join(kv.save(NS_ID, make_blocks(3, 2 << 20, tag=b"shared"))))
+"""
+
+RESERVE_THEN_HANG = """
+import sys, time
+from kvtier.client import ClientOptions, flows, parse_address
+from kvtier.client.records import prepare_records
+from kvtier.client.transport import BlockingConnection
+from tests.kvtier.client.clientkit import NS_ID, make_blocks
+conn = BlockingConnection.open(parse_address(sys.argv[1]), ClientOptions(), time.monotonic() + 10)
+records = prepare_records(NS_ID, make_blocks(2, 1 << 20, tag=b"killed"))
+flow = flows.save_flow(conn.session, NS_ID, records, None, None, 0)
+reserve = next(flow)
+commit = flow.send(conn.call(reserve, time.monotonic() + 10))  # payloads are in the slots now
+assert commit.op == "commit"
+print("reserved", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[Daemon]:
+    directory = tempfile.mkdtemp(prefix="kvd-", dir="/tmp")
+    d = Daemon(directory).start()
+    try:
+        yield d
+    finally:
+        d.stop()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def run_python(code: str, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT, env=ENV)
+
+
+@pytest.mark.parametrize("path", ["unix", "tcp"])
+def test_save_load_byte_identical(daemon: Daemon, path: str) -> None:
+    tag = path.encode()
+    chains = [make_blocks(2, 2 * MiB, tag=tag + b"2"), make_blocks(2, 8 * MiB, tag=tag + b"8")]
+    address = daemon.socket if path == "unix" else daemon.tcp
+    with Client.connect(address, token=daemon.token) as kv:
+        assert (kv.session.shm is not None) == (path == "unix")
+        for blocks in chains:
+            keys = [k for k, _ in blocks]
+            assert kv.save(NS_ID, blocks) == ["stored", "stored"]
+            assert kv.lookup(NS_ID, keys).num_hits == 2
+            assert kv.load(NS_ID, keys) == [r for _, r in blocks]
+            assert kv.save(NS_ID, blocks) == ["exists", "exists"]
+
+    async def load_async() -> list[list[bytes]]:
+        async with AsyncClient(address, token=daemon.token) as akv:
+            return await asyncio.gather(*[akv.load(NS_ID, [k for k, _ in b]) for b in chains * 2])
+
+    assert asyncio.run(load_async()) == [[r for _, r in b] for b in chains * 2]
+
+
+def test_two_processes_share_blocks(daemon: Daemon) -> None:
+    saver = run_python(SAVE_IN_SUBPROCESS, daemon.socket)
+    out, err = saver.communicate(timeout=60)
+    assert saver.returncode == 0, err
+    assert out.strip() == "stored,stored,stored"
+    blocks = make_blocks(3, 2 * MiB, tag=b"shared")
+    keys = [k for k, _ in blocks]
+    for address in (daemon.socket, daemon.tcp):
+        with Client(address, token=daemon.token) as kv:
+            assert kv.lookup(NS_ID, keys) == LookupResult(3, ("host",) * 3)
+            assert kv.load(NS_ID, keys) == [r for _, r in blocks]
+
+
+def test_client_killed_between_reserve_and_commit(daemon: Daemon) -> None:
+    blocks = make_blocks(2, MiB, tag=b"killed")
+    keys = [k for k, _ in blocks]
+    writer = run_python(RESERVE_THEN_HANG, daemon.socket)
+    try:
+        assert writer.stdout.readline().strip() == "reserved", writer.stderr.read()
+        with Client(daemon.socket) as kv:
+            assert kv.lookup(NS_ID, keys) is NO_HITS  # reserved and written, never committed
+            assert kv.stats()["leases"] >= 1
+            writer.send_signal(signal.SIGKILL)
+            writer.wait(10)
+            deadline = time.monotonic() + 10
+            while kv.stats()["leases"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert kv.stats()["leases"] == 0, "the dead client's reservation was reclaimed"
+            assert kv.lookup(NS_ID, keys) is NO_HITS and kv.load(NS_ID, keys) == []
+            assert kv.save(NS_ID, blocks) == ["stored", "stored"]
+            assert kv.load(NS_ID, keys) == [r for _, r in blocks]
+    finally:
+        writer.kill()
+        writer.communicate()
+
+
+def test_tcp_needs_the_token(daemon: Daemon) -> None:
+    for token in (None, "not-the-token"):
+        with pytest.raises(Unauthorized):
+            Client.connect(daemon.tcp, token=token)
+        with Client(daemon.tcp, token=token) as kv, pytest.raises(Unauthorized):
+            kv.lookup(NS_ID, [b"k" * 32])  # never degraded into misses
+
+        async def refused(token: str | None = token) -> None:
+            async with AsyncClient(daemon.tcp, token=token) as akv:
+                await akv.lookup(NS_ID, [b"k" * 32])
+
+        with pytest.raises(Unauthorized):
+            asyncio.run(refused())
+    with Client.connect(daemon.tcp, token=daemon.token) as kv:
+        assert kv.ping() > 0
+    with Client.connect(daemon.socket) as kv:  # the socket needs no token by default
+        assert kv.ping() > 0
+
+
+def test_stopped_daemon_gives_misses_and_restart_is_transparent() -> None:
+    directory = tempfile.mkdtemp(prefix="kvd-", dir="/tmp")
+    d = Daemon(directory, port=free_port()).start()
+    blocks = make_blocks(2, 64 << 10, tag=b"stop")
+    after = make_blocks(2, 64 << 10, tag=b"after-restart")
+    keys = [k for k, _ in blocks]
+    timeout_s, holddown_s = 1.0, 0.5
+    try:
+        kv = Client(d.socket, timeout_s=timeout_s, holddown_s=holddown_s)
+        akv = AsyncClient(d.tcp, token=d.token, timeout_s=timeout_s, holddown_s=holddown_s)
+        assert kv.save(NS_ID, blocks) == ["stored", "stored"]
+
+        async def lookup_and_load() -> tuple[LookupResult, list[bytes]]:
+            return await asyncio.gather(akv.lookup(NS_ID, keys), akv.load(NS_ID, keys))
+
+        async def round_trip() -> tuple[list[str], list[bytes]]:
+            return await akv.save(NS_ID, after), await akv.load(NS_ID, [k for k, _ in after])
+
+        loop = asyncio.new_event_loop()
+        try:
+            assert loop.run_until_complete(lookup_and_load())[0].num_hits == 2
+            d.signal(signal.SIGSTOP)
+            start = time.monotonic()
+            assert kv.lookup(NS_ID, keys) is NO_HITS  # waits timeout_s for the silent daemon
+            assert kv.load(NS_ID, keys) == []  # hold-down: answered at once
+            assert time.monotonic() - start < timeout_s + 0.5
+            start = time.monotonic()
+            assert loop.run_until_complete(lookup_and_load()) == [NO_HITS, []]
+            assert time.monotonic() - start < timeout_s + 0.5
+            d.stop()
+            d.start()
+            time.sleep(holddown_s)
+            assert kv.ping() > 0  # reconnected by itself (the socket path stayed, the segments changed)
+            saved, loaded = loop.run_until_complete(round_trip())  # TCP: the daemon came back on its port
+            assert saved == ["stored", "stored"] and loaded == [r for _, r in after]
+            assert kv.load(NS_ID, [k for k, _ in after]) == [r for _, r in after]
+            loop.run_until_complete(akv.close())
+        finally:
+            loop.close()
+        kv.close()
+    finally:
+        d.stop()
+        shutil.rmtree(directory, ignore_errors=True)

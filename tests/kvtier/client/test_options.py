@@ -1,0 +1,27 @@
+"""Client options: validation at construction, the token kept out of reprs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvtier.client import ClientOptions
+from kvtier_protocol.errors import InvalidRequest
+
+
+def test_defaults() -> None:
+    o = ClientOptions()
+    assert (o.timeout_s, o.retries, o.token, o.tenant) == (5.0, 2, None, None)
+    assert "hunter2" not in repr(ClientOptions(token="hunter2"))
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"timeout_s": 0}, {"timeout_s": -1}, {"timeout_s": math.inf}, {"timeout_s": "5"},
+    {"connect_timeout_s": math.nan}, {"retries": -1}, {"retries": 1.5}, {"retries": True},
+    {"holddown_s": -0.1}, {"lease_ms": 0}, {"client_name": ""}, {"token": 5},
+    {"tenant": "t" * 1025},
+])
+def test_rejected(kwargs: dict) -> None:
+    with pytest.raises(InvalidRequest):
+        ClientOptions(**kwargs)

@@ -1,0 +1,64 @@
+"""SegmentMap: mapping received descriptors, bounds-checked slot copies, unmapping."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from kvtier.client import ConnectionLost
+from kvtier.client.shm import SegmentMap
+from kvtier_protocol.errors import FrameError, StorageError
+from kvtier_protocol.frames import Segment
+
+
+def memfd(size: int) -> int:
+    fd = os.memfd_create("kvtier-client-test")
+    os.ftruncate(fd, size)
+    return fd
+
+
+def fd_is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
+def test_write_then_read_record_and_close() -> None:
+    fds = [memfd(8192), memfd(4096)]
+    shm = SegmentMap.from_fds([Segment("a", 8192), Segment("b", 4096)], fds)
+    assert not any(fd_is_open(fd) for fd in fds), "descriptors are closed once mapped"
+    shm.write((1, 100, 5), b"hello")
+    shm.write((0, 8190, 2), memoryview(b"xy"))
+    assert shm.read_record(b"HDR", (1, 100, 5)) == b"HDRhello"
+    assert shm.read_record(b"", (0, 8190, 2)) == b"xy"
+    shm.close()
+    shm.close()
+    assert shm.closed
+    with pytest.raises(ConnectionLost):
+        shm.read_record(b"", (0, 0, 1))
+
+
+@pytest.mark.parametrize("slot", [(1, 0, 1), (0, 4090, 7), (0, 4096, 1)])
+def test_slots_outside_the_segments_are_refused(slot: tuple[int, int, int]) -> None:
+    shm = SegmentMap.from_fds([Segment("a", 4096)], [memfd(4096)])
+    with pytest.raises(FrameError):
+        shm.write(slot, b"x" * slot[2])
+    with pytest.raises(FrameError):
+        shm.read_record(b"", slot)
+    with pytest.raises(FrameError):
+        shm.write((0, 0, 4), b"12345")  # a slot of another length than the payload
+    shm.close()
+
+
+def test_descriptor_count_and_size_are_checked() -> None:
+    fds = [memfd(4096)]
+    with pytest.raises(FrameError):
+        SegmentMap.from_fds([Segment("a", 4096), Segment("b", 4096)], fds)
+    assert not fd_is_open(fds[0])
+    fds = [memfd(4096), memfd(100)]
+    with pytest.raises(StorageError):
+        SegmentMap.from_fds([Segment("a", 4096), Segment("b", 4096)], fds)
+    assert not any(fd_is_open(fd) for fd in fds)

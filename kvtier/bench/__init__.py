@@ -17,4 +17,6 @@ SUITES: dict[str, tuple[str, str]] = {
     # name: (module, one-line help shown by `kvtier bench --help`)
     "codecs": ("kvtier.bench.codecs", "codec size ratio, error and encode/decode GB/s vs memcpy"),
     "store": ("kvtier.bench.store", "host-tier put/get vs torch copy_; disk write/read vs dd O_DIRECT"),
+    "dataplane": ("kvtier.bench.dataplane",
+                  "daemon data plane: put/get over shared memory and TCP vs torch copy_; lookup p50/p99 vs ping"),
 }

@@ -1,0 +1,305 @@
+"""`kvtier bench dataplane`: the real daemon, driven by the real client, next to memcpy and a ping.
+
+The suite starts ``kvtier serve`` as a subprocess on a temporary directory (unix socket plus TCP
+on 127.0.0.1, REST off) and connects one :class:`kvtier.client.Client` to each endpoint.
+
+Rows:
+  * ``shm put`` / ``tcp put`` per block size (GB/s of payload): ``Client.save`` of batches of
+    ``--batch-mib`` bytes of blocks, through the unix socket (reserve → copy into the daemon's
+    shared memory → commit) and through TCP (records inline in ``put`` frames). The blocks are
+    deleted (untimed) after each repetition, so every save stores new blocks, never "exists".
+  * ``shm get`` / ``tcp get`` (GB/s of payload): ``Client.load`` of the same batches (acquire →
+    copy out of shared memory → verify → release; ``get`` with records inline → verify).
+  * Baseline of all four: a torch ``copy_`` of the same bytes on one thread (``--memcpy-threads``;
+    the client copies with one thread too). Sources and destinations of both sides rotate over
+    ``--working-set-mib`` (default 256) so neither side measures the CPU cache. Records (header +
+    payload, built with kvtier_protocol.header on random bytes) are built once, before anything
+    is timed; ``load`` returns new ``bytes`` objects, so the get rows include that allocation.
+  * ``lookup`` p50 / p99 (ms): ``Client.lookup`` of the chain hashes of a 128K-token prompt
+    (512 keys of 256 tokens, all stored, so the daemon walks every one), next to a ``ping`` over
+    the same socket: the round trip every call pays, the floor a lookup sits on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+import kvtier
+import kvtier_protocol
+from kvtier.bench.report import (Row, Samples, SuiteResult, Timer, alternate, gbps, latency_row, progress,
+                                 throughput_row)
+from kvtier.client import Client
+from kvtier_protocol.header import BlockHeader, Section, encode_header, payload_checksum
+from kvtier_protocol.keys import chain_hashes
+
+DESCRIPTION = "daemon data plane: put/get over shared memory and TCP vs torch copy_; lookup p50/p99 vs ping"
+MIB = 1 << 20
+NS = hashlib.sha256(b"kvtier bench dataplane").digest()[:16]
+LOOKUP_HASH_TOKENS = 256
+LOOKUP_PAYLOAD = 4096  # small blocks: the lookup rows measure the index walk, not memory
+_TCP = re.compile(r"listening tcp:(?P<host>[^\s:]+):(?P<port>\d+)")
+_READY = "kvtierd ready"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sizes-mib", default=None,
+                        help="block sizes in MiB (default 2,8,32; --quick 2,8)")
+    parser.add_argument("--working-set-mib", type=float, default=None,
+                        help="bytes rotated per side and size (default 256; --quick 64)")
+    parser.add_argument("--batch-mib", type=float, default=64,
+                        help="bytes of blocks per save/load call (default 64)")
+    parser.add_argument("--lookup-keys", type=int, default=512,
+                        help="chain hashes of 256 tokens per lookup (default 512: a 128K-token prompt)")
+    parser.add_argument("--lookup-calls", type=int, default=None,
+                        help="lookups (and pings) per repetition (default 1000; --quick 200)")
+    parser.add_argument("--memcpy-threads", type=int, default=1,
+                        help="torch threads of the copy_ baseline (default 1: the client copies on one)")
+    parser.add_argument("--work-dir", default=None,
+                        help="parent of the daemon's temp dir (socket, token, disk, log; default $TMPDIR)")
+    parser.add_argument("--daemon-profile", metavar="FILE", default=None,
+                        help="run the daemon under cProfile and write its stats to FILE")
+
+
+def run(args: argparse.Namespace) -> SuiteResult:
+    reps = args.repetitions or (2 if args.quick else 5)
+    sizes_text = args.sizes_mib or ("2,8" if args.quick else "2,8,32")
+    sizes = [int(float(x) * MIB) for x in sizes_text.split(",") if x.strip()]
+    ws = int((args.working_set_mib or (64 if args.quick else 256)) * MIB)
+    batch = int(args.batch_mib * MIB)
+    calls = args.lookup_calls or (200 if args.quick else 1000)
+    result = SuiteResult("dataplane")
+    work = Path(tempfile.mkdtemp(prefix="kvtier-bench-dp-", dir=args.work_dir))
+    # Twice the working set (slack for the allocator's slabs as block sizes change) plus the lookup
+    # blocks: nothing is ever evicted, so no row touches the disk tier.
+    host_bytes = 2 * ws + max(sizes) + args.lookup_keys * (LOOKUP_PAYLOAD + 4096) + 64 * MIB
+    daemon = _Daemon(work, host_bytes, args.daemon_profile)
+    try:
+        daemon.start()
+        with Client.connect(f"unix:{daemon.socket}", timeout_s=60.0) as shm, \
+                Client.connect(daemon.tcp, token=daemon.token(), timeout_s=60.0) as tcp:
+            assert shm.session is not None and shm.session.shm is not None, "unix socket without segments"
+            for nbytes in sizes:
+                result.rows += _block_rows(shm, tcp, nbytes, ws, batch, reps, args.memcpy_threads)
+            result.rows += _lookup_rows(shm, tcp, args.lookup_keys, calls, reps)
+    except Exception:
+        progress(f"dataplane: failed; the daemon's log ends with:\n{daemon.log_tail()}")
+        raise
+    finally:
+        daemon.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    return result
+
+
+# --- the daemon --------------------------------------------------------------------------------
+
+
+class _Daemon:
+    """``kvtier serve`` as a subprocess; its log goes to ``work/daemon.log``."""
+
+    def __init__(self, work: Path, host_bytes: int, profile: str | None) -> None:
+        self.work = work
+        self.socket = str(work / "kvtier.sock")
+        self.log_path = work / "daemon.log"
+        self.host_bytes = host_bytes
+        self.profile = profile
+        self.tcp = ""
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 60.0) -> None:
+        prefix = [sys.executable]
+        if self.profile:
+            prefix += ["-m", "cProfile", "-o", str(Path(self.profile).resolve())]
+        cmd = [*prefix, "-m", "kvtier", "serve", "--data-dir", str(self.work), "--socket", self.socket,
+               "--listen", "127.0.0.1:0", "--rest", "off", "--host-bytes", str(self.host_bytes),
+               "--disk-bytes", str(64 * MIB), "--token-file", str(self.work / "token"), "--log-level", "info"]
+        # The child imports the same kvtier and kvtier_protocol as this process, installed or not.
+        roots = [str(Path(m.__file__).resolve().parents[1]) for m in (kvtier, kvtier_protocol)]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([*roots, os.environ.get("PYTHONPATH", "")])}
+        progress(f"dataplane: starting the daemon (host tier {self.host_bytes // MIB} MiB) in {self.work}")
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            text = self.log_path.read_text(errors="replace")
+            m = _TCP.search(text)
+            if m and _READY in text:
+                self.tcp = f"tcp://{m['host']}:{m['port']}"
+                return
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the daemon exited with {self.proc.returncode}:\n{self.log_tail()}")
+            time.sleep(0.05)
+        raise RuntimeError(f"the daemon was not ready within {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def token(self) -> str:
+        return (self.work / "token").read_text().strip()
+
+    def log_tail(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:] if self.log_path.exists() else ""
+
+    def stop(self) -> None:
+        """SIGTERM and wait (the daemon drains and, under cProfile, writes its stats); SIGKILL if stuck."""
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            progress("dataplane: the daemon did not stop within 30 s; killing it")
+            proc.kill()
+            proc.wait(10)
+
+
+# --- blocks ------------------------------------------------------------------------------------
+
+
+def _record(key: bytes, parent: bytes | None, payload: bytes) -> bytearray:
+    """One whole block record: encoded header, then ``payload`` (a writable buffer, for torch)."""
+    n = len(payload)
+    h = BlockHeader(ns_id=NS, chain_hash=key, parent_hash=parent, num_tokens=16, layout="canonical",
+                    shape=(1, 2, 1, 16, n // 64), dtype="float16", codec="raw",
+                    sections=(Section("payload", 0, n),), payload_len=n, checksum=payload_checksum(payload))
+    return bytearray(encode_header(h) + payload)
+
+
+def _batches(n: int, per: int) -> list[range]:
+    return [range(i, min(n, i + per)) for i in range(0, n, per)]
+
+
+def _block_rows(shm: Client, tcp: Client, nbytes: int, ws: int, batch: int, reps: int,
+                threads: int) -> list[Row]:
+    n = max(2, ws // nbytes)
+    label = f"{nbytes / MIB:g}MiB"
+    progress(f"dataplane: {label} blocks, {n} in rotation ({n * nbytes / MIB:g} MiB per side)")
+    gen = torch.Generator().manual_seed(nbytes)
+    hashes = [hashlib.sha256(NS + nbytes.to_bytes(8, "little") + i.to_bytes(8, "little")).digest()
+              for i in range(n)]
+    records = [_record(hashes[i], hashes[i - 1] if i else None,
+                       torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen).numpy().tobytes())
+               for i in range(n)]
+    srcs = [torch.frombuffer(r, dtype=torch.uint8)[len(r) - nbytes:] for r in records]  # payloads
+    dsts = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(n)]
+    groups = _batches(n, max(1, batch // nbytes))
+    blocks = [[(hashes[i], records[i]) for i in g] for g in groups]
+    keys = [[hashes[i] for i in g] for g in groups]
+
+    def memcpy() -> float:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            with Timer() as t:
+                for s, d in zip(srcs, dsts):
+                    d.copy_(s)
+        finally:
+            torch.set_num_threads(before)
+        return gbps(n * nbytes, t.seconds)
+
+    def put(client: Client) -> Callable[[], float]:
+        def once() -> float:
+            with Timer() as t:
+                for b in blocks:
+                    out = client.save(NS, b)
+                    assert out == ["stored"] * len(b), f"bench save answered {set(out)}"
+            client.delete(NS, hashes)  # untimed: the next repetition stores new blocks again
+            return gbps(n * nbytes, t.seconds)
+        return once
+
+    def get(client: Client) -> Callable[[], float]:
+        def once() -> float:
+            got = 0
+            with Timer() as t:
+                for k in keys:
+                    got += len(client.load(NS, k, degrade=False))
+            assert got == n, f"bench load found {got} of {n} blocks"
+            return gbps(n * nbytes, t.seconds)
+        return once
+
+    base_name = f"torch copy_ ({threads} thread{'s' if threads > 1 else ''})"
+    rows = []
+    for name, client in (("shm", shm), ("tcp", tcp)):
+        kv, base = alternate(put(client), memcpy, repetitions=reps)
+        rows.append(throughput_row(f"{name} put {label}", "throughput", "GB/s", kv, base_name, base))
+    for b in blocks:  # untimed: what the gets read
+        shm.save(NS, b)
+    for name, client in (("shm", shm), ("tcp", tcp)):
+        kv, base = alternate(get(client), memcpy, repetitions=reps)
+        rows.append(throughput_row(f"{name} get {label}", "throughput", "GB/s", kv, base_name, base))
+        loaded = client.load(NS, keys[0], degrade=False)
+        assert loaded == [bytes(records[i]) for i in groups[0]], f"{name} load returned other bytes"
+    shm.delete(NS, hashes)
+    return rows
+
+
+# --- lookup ------------------------------------------------------------------------------------
+
+
+def _lookup_rows(shm: Client, tcp: Client, num_keys: int, calls: int, reps: int) -> list[Row]:
+    rng = random.Random(num_keys)
+    tokens = [rng.randrange(1 << 17) for _ in range(num_keys * LOOKUP_HASH_TOKENS)]
+    hashes = chain_hashes(tokens, LOOKUP_HASH_TOKENS)
+    progress(f"dataplane: lookup of {len(hashes)} keys ({len(tokens) // 1024}K tokens), "
+             f"{calls} calls per repetition")
+    payload = bytes(LOOKUP_PAYLOAD)
+    shm.save(NS, [(h, _record(h, hashes[i - 1] if i else None, payload)) for i, h in enumerate(hashes)])
+    for client in (shm, tcp):
+        found = client.lookup(NS, hashes, degrade=False)
+        assert found.num_hits == len(hashes), f"bench lookup found {found.num_hits} of {len(hashes)} keys"
+    index = {h: i for i, h in enumerate(hashes)}
+    with Timer() as t:
+        for _ in range(calls):
+            sum(1 for h in hashes if h in index)
+    progress(f"dataplane: in-process dict walk of the same keys: {t.seconds / calls * 1e3:.4f} ms per call")
+    rows: list[Row] = []
+    for name, client in (("unix socket", shm), ("tcp", tcp)):
+        p50s: dict[str, list[float]] = {"lookup": [], "ping": []}
+        p99s: dict[str, list[float]] = {"lookup": [], "ping": []}
+
+        def sample(kind: str, fn: Callable[[], object]) -> Callable[[], float]:
+            def once() -> float:
+                lat = _latencies(fn, calls)
+                p50s[kind].append(_quantile(lat, 0.50))
+                p99s[kind].append(_quantile(lat, 0.99))
+                return p50s[kind][-1]
+            return once
+
+        alternate(sample("lookup", lambda c=client: c.lookup(NS, hashes, degrade=False)),
+                  sample("ping", client.ping), repetitions=reps)
+        case = f"lookup {len(hashes)} keys, {name}, vs ping"
+        for metric, by_kind in (("p50", p50s), ("p99", p99s)):
+            kv, base = Samples(by_kind["lookup"][1:]), Samples(by_kind["ping"][1:])  # [0]: warm-up
+            rows.append(latency_row(case, metric, "ms", kv, "ping round trip, same socket", base))
+    shm.clear(NS)
+    return rows
+
+
+def _latencies(fn: Callable[[], object], calls: int) -> list[float]:
+    """Milliseconds of each of ``calls`` back-to-back calls of ``fn``."""
+    out = []
+    clock = time.perf_counter
+    for _ in range(calls):
+        start = clock()
+        fn()
+        out.append((clock() - start) * 1e3)
+    return out
+
+
+def _quantile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+__all__ = ["DESCRIPTION", "add_arguments", "run"]

@@ -1,0 +1,74 @@
+"""`kvtier bench dataplane --quick` against the real daemon (a subprocess), in-process CLI, tiny
+sizes: the report.py JSON form, the rows it promises, and that the daemon and its files are gone
+afterwards (no speed asserts)."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+import kvtier.bench
+from kvtier.bench import dataplane
+from kvtier.bench.report import Row
+from kvtier.cli import main
+
+HELP = "daemon data plane: put/get over shared memory and TCP vs torch copy_; lookup p50/p99 vs ping"
+
+
+@pytest.fixture
+def registered(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """The suite in the registry (whatever the lead's copy holds) and a work dir with a short path
+    (a unix socket path has at most 107 bytes; tmp_path can be longer)."""
+    monkeypatch.setitem(kvtier.bench.SUITES, "dataplane", ("kvtier.bench.dataplane", HELP))
+    base = Path(tempfile.mkdtemp(prefix="kvb-"))
+    yield base
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def test_quick_dataplane_bench_writes_json(registered: Path, tmp_path: Path) -> None:
+    out = tmp_path / "dataplane.json"
+    argv = ["bench", "dataplane", "--quick", "--repetitions", "1", "--json", str(out),
+            "--sizes-mib", "0.25,1", "--working-set-mib", "2", "--batch-mib", "1",
+            "--lookup-keys", "64", "--lookup-calls", "20", "--work-dir", str(registered)]
+    assert main(argv) == 0
+    doc = json.loads(out.read_text())
+    assert doc["suite"] == "dataplane"
+    names = {f.name for f in fields(Row)}
+    cases = [r["case"] for r in doc["rows"]]
+    for size in ("0.25MiB", "1MiB"):
+        for path in ("shm", "tcp"):
+            assert f"{path} put {size}" in cases and f"{path} get {size}" in cases
+    for sock in ("unix socket", "tcp"):
+        assert [(r["metric"], r["baseline_name"]) for r in doc["rows"]
+                if r["case"] == f"lookup 64 keys, {sock}, vs ping"] == [
+            ("p50", "ping round trip, same socket"), ("p99", "ping round trip, same socket")]
+    for row in doc["rows"]:
+        assert set(row) == names
+        if row["case"].startswith("lookup"):
+            assert row["unit"] == "ms"
+            assert row["ratio"] == pytest.approx(row["baseline"] / row["kvtier"])
+        else:
+            assert (row["metric"], row["unit"]) == ("throughput", "GB/s")
+            assert row["baseline_name"] == "torch copy_ (1 thread)"
+            assert row["ratio"] == pytest.approx(row["kvtier"] / row["baseline"])
+        assert math.isfinite(row["kvtier"]) and row["kvtier"] > 0 and row["baseline"] > 0
+        assert row["kvtier_spread"] >= 0 and row["baseline_spread"] >= 0
+    assert list(registered.iterdir()) == []  # socket, token, disk tier and log removed with the daemon
+
+
+def test_daemon_that_cannot_start_is_reported_with_its_log(tmp_path: Path) -> None:
+    daemon = dataplane._Daemon(tmp_path, host_bytes=0, profile=None)  # no host tier: serve refuses
+    try:
+        with pytest.raises(RuntimeError, match="exited with") as info:
+            daemon.start(timeout_s=60)
+        assert "host" in str(info.value)  # the daemon's own error line comes with it
+    finally:
+        daemon.stop()
+    assert daemon.proc is None

@@ -8,13 +8,15 @@ Rows:
     ``--batch-mib`` bytes of blocks, through the unix socket (reserve → copy into the daemon's
     shared memory → commit) and through TCP (records inline in ``put`` frames). The blocks are
     deleted (untimed) after each repetition, so every save stores new blocks, never "exists".
-  * ``shm get`` / ``tcp get`` (GB/s of payload): ``Client.load`` of the same batches (acquire →
-    copy out of shared memory → verify → release; ``get`` with records inline → verify).
+  * ``shm get`` / ``tcp get`` (GB/s of payload): ``Client.load_into`` of the same batches into
+    preallocated destination tensors (acquire → copy out of shared memory, verifying as it
+    copies → release; ``get`` with records inline → copy and verify), the destinations rotating
+    over the working set exactly as the baseline's do.
   * Baseline of all four: a torch ``copy_`` of the same bytes on one thread (``--memcpy-threads``;
     the client copies with one thread too). Sources and destinations of both sides rotate over
     ``--working-set-mib`` (default 256) so neither side measures the CPU cache. Records (header +
     payload, built with kvtier_protocol.header on random bytes) are built once, before anything
-    is timed; ``load`` returns new ``bytes`` objects, so the get rows include that allocation.
+    is timed.
   * ``lookup`` p50 / p99 (ms): ``Client.lookup`` of the chain hashes of a 128K-token prompt
     (512 keys of 256 tokens, all stored, so the daemon walks every one), next to a ``ping`` over
     the same socket: the round trip every call pays, the floor a lookup sits on.
@@ -196,6 +198,7 @@ def _block_rows(shm: Client, tcp: Client, nbytes: int, ws: int, batch: int, reps
     groups = _batches(n, max(1, batch // nbytes))
     blocks = [[(hashes[i], records[i]) for i in g] for g in groups]
     keys = [[hashes[i] for i in g] for g in groups]
+    into = [[dsts[i].numpy() for i in g] for g in groups]  # the baseline's destinations
 
     def memcpy() -> float:
         before = torch.get_num_threads()
@@ -222,8 +225,8 @@ def _block_rows(shm: Client, tcp: Client, nbytes: int, ws: int, batch: int, reps
         def once() -> float:
             got = 0
             with Timer() as t:
-                for k in keys:
-                    got += len(client.load(NS, k, degrade=False))
+                for k, bufs in zip(keys, into):
+                    got += len(client.load_into(NS, k, bufs, degrade=False))
             assert got == n, f"bench load found {got} of {n} blocks"
             return gbps(n * nbytes, t.seconds)
         return once
@@ -240,6 +243,10 @@ def _block_rows(shm: Client, tcp: Client, nbytes: int, ws: int, batch: int, reps
         rows.append(throughput_row(f"{name} get {label}", "throughput", "GB/s", kv, base_name, base))
         loaded = client.load(NS, keys[0], degrade=False)
         assert loaded == [bytes(records[i]) for i in groups[0]], f"{name} load returned other bytes"
+        for d in dsts:
+            d.zero_()
+        assert len(client.load_into(NS, hashes, [d.numpy() for d in dsts], degrade=False)) == n
+        assert all(torch.equal(d, s) for d, s in zip(dsts, srcs)), f"{name} load_into copied other bytes"
     shm.delete(NS, hashes)
     return rows
 

@@ -2,7 +2,7 @@
 
 Both speak the data plane of protocol/SPEC.md §7 over a unix socket (payloads through the
 daemon's shared memory, whose segments arrive as descriptors at hello) or over TCP (payloads
-inline, token required), and offer the same calls: ``lookup``, ``save``, ``load``,
+inline, token required), and offer the same calls: ``lookup``, ``save``, ``load``, ``load_into``,
 ``save_tensors``, ``load_tensors``, ``delete``, ``clear``, ``stats``, ``ping``, ``close``.
 
 Importing this package loads none of the daemon's dependencies (aiohttp, RocksDB, Prometheus,

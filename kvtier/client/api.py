@@ -17,7 +17,7 @@ from kvtier_protocol.errors import InvalidKey, InvalidRequest, Unavailable
 from kvtier_protocol.messages import check_token_info
 from kvtier_protocol.wire_checks import PRIORITY_MAX, PRIORITY_MIN
 
-from kvtier.client import flows
+from kvtier.client import flows, into
 from kvtier.client.flows import Call, Flow
 from kvtier.client.records import Block, Record, check_hashes, check_ns_id, prepare_records
 from kvtier.client.session import Session
@@ -88,6 +88,12 @@ class ClientBase:
     def _load_flow(ns_id: bytes, hashes: Sequence[bytes]) -> FlowFactory:
         ns_id, keys = check_ns_id(ns_id), check_hashes(hashes)
         return lambda s: flows.load_flow(s, ns_id, keys)
+
+    @staticmethod
+    def _load_into_flow(ns_id: bytes, hashes: Sequence[bytes], buffers: Sequence[Any]) -> FlowFactory:
+        ns_id, keys = check_ns_id(ns_id), check_hashes(hashes)
+        dests = into.check_buffers(buffers, len(keys))
+        return lambda s: into.load_into_flow(s, ns_id, keys, dests)
 
     @staticmethod
     def _save_flow(ns_id: bytes, blocks: Sequence[Block], tokens: Sequence[Any] | None,

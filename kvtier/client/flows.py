@@ -15,12 +15,12 @@ it at any point::
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias, TypeVar
 
 from kvtier_protocol.errors import FrameError, KVTierError, LimitExceeded
-from kvtier_protocol.frames import EXISTS, Payload
+from kvtier_protocol.frames import EXISTS, Payload, SlotRef
 
 from kvtier.client.records import Record, verified_record
 from kvtier.client.session import Session
@@ -53,6 +53,10 @@ class Call:
 
 
 Flow: TypeAlias = Generator[Call, Any, T]
+TakeSlot: TypeAlias = Callable[[int, bytes, SlotRef, bytes], "T | None"]
+"""What a load does with one leased block: ``(index, key, slot, header) -> item | None``."""
+TakeRecord: TypeAlias = Callable[[int, bytes, memoryview], "T | None"]
+"""What a load does with one record received inline: ``(index, key, record) -> item | None``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,23 +174,31 @@ def save_flow(s: Session, ns_id: bytes, records: list[Record], tokens: list | No
 
 def load_flow(s: Session, ns_id: bytes, hashes: list[bytes]) -> Flow[list[bytes]]:
     """Load the stored prefix of ``hashes`` as whole, verified records."""
-    if s.shm is None:
-        return (yield from _get_flow(s, ns_id, hashes))
-    out: list[bytes] = []
+    shm = s.shm
+    if shm is None:
+        return (yield from fetch_flow(s, ns_id, hashes,
+                                      lambda i, key, record: verified_record(ns_id, key, record)))
+    return (yield from acquire_flow(s, ns_id, hashes, lambda i, key, slot, header: verified_record(
+        ns_id, key, shm.read_record(header, slot))))
+
+
+def acquire_flow(s: Session, ns_id: bytes, hashes: list[bytes], take: TakeSlot[T]) -> Flow[list[T]]:
+    """acquire → ``take(i, key, slot, header)`` per leased block (i: index in ``hashes``; None
+    ends the prefix: a miss) → release (also after an error). Unix socket only."""
+    out: list[T] = []
     size = max(1, min(s.limits.max_batch, s.limits.max_header_len // ACQUIRE_HEADER_BUDGET))
-    for chunk in _batches(hashes, size):
+    for pos in range(0, len(hashes), size):
+        chunk = hashes[pos:pos + size]
         r = yield Call("acquire", {"ns_id": ns_id, "hashes": list(chunk), "lease_ms": s.lease_ms})
         error: KVTierError | None = None
-        found: list[bytes] = []
+        found: list[T] = []
         try:
             _expect_len("acquire", r.slots, len(chunk))
-            for key, slot, header in zip(chunk, r.slots, r.headers):
-                record = None
-                if slot is not None:
-                    record = verified_record(ns_id, key, s.shm.read_record(header, slot))
-                if record is None:
+            for i, (key, slot, header) in enumerate(zip(chunk, r.slots, r.headers), pos):
+                item = None if slot is None else take(i, key, slot, header)
+                if item is None:
                     break
-                found.append(record)
+                found.append(item)
         except KVTierError as exc:
             error = exc
         if r.lease:  # always release, also after an error; a lost release expires on its own
@@ -199,22 +211,24 @@ def load_flow(s: Session, ns_id: bytes, hashes: list[bytes]) -> Flow[list[bytes]
     return out
 
 
-def _get_flow(s: Session, ns_id: bytes, hashes: list[bytes]) -> Flow[list[bytes]]:
-    out: list[bytes] = []
+def fetch_flow(s: Session, ns_id: bytes, hashes: list[bytes], take: TakeRecord[T]) -> Flow[list[T]]:
+    """get (records inline) → ``take(i, key, record)`` per returned record (None: corrupt, the
+    prefix ends there). TCP."""
+    out: list[T] = []
     pos = 0
     while pos < len(hashes):
         chunk = hashes[pos:pos + s.limits.max_batch]
         r = yield Call("get", {"ns_id": ns_id, "hashes": chunk})
         _expect_len("get", r.lens, len(chunk))
         found, corrupt = 0, False
-        for key, record in zip(chunk, r.records()):
+        for i, (key, record) in enumerate(zip(chunk, r.records()), pos):
             if record is None:
                 break
-            record = verified_record(ns_id, key, record)
-            if record is None:
+            item = take(i, key, record)
+            if item is None:
                 corrupt = True
                 break
-            out.append(record)
+            out.append(item)
             found += 1
         pos += found
         if found == len(chunk):

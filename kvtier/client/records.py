@@ -16,6 +16,7 @@ from kvtier_protocol.header import split_record, verify_payload
 log = logging.getLogger("kvtier.client")
 
 Buffer: TypeAlias = bytes | bytearray | memoryview
+_BYTES = frozenset((bytes,))
 Block: TypeAlias = tuple[bytes, Buffer]
 """``(chain_hash, record)``: a block to save; ``record`` is a whole block record (header + payload)."""
 
@@ -40,6 +41,13 @@ def check_ns_id(ns_id: Buffer) -> bytes:
 
 def check_hashes(hashes: Sequence[Buffer]) -> list[bytes]:
     """Chain hashes as bytes. Raises InvalidKey for one outside 8..64 bytes."""
+    # Fast path (hundreds of keys per lookup): C-level passes over types and lengths.
+    if not isinstance(hashes, (list, tuple)):
+        hashes = list(hashes)  # iterated more than once below
+    if set(map(type, hashes)) <= _BYTES:
+        lens = set(map(len, hashes))
+        if not lens or (min(lens) >= MIN_HASH_LEN and max(lens) <= MAX_HASH_LEN):
+            return list(hashes)
     out = [_as_bytes(h, "a chain hash") for h in hashes]
     for h in out:
         if not MIN_HASH_LEN <= len(h) <= MAX_HASH_LEN:

@@ -33,6 +33,7 @@ from kvtier.client.transport import BlockingConnection
 if TYPE_CHECKING:
     import torch
 
+    from kvtier_protocol.header import BlockHeader
     from kvtier_protocol.namespace import Namespace
 
 T = TypeVar("T")
@@ -202,6 +203,28 @@ class Client(ClientBase):
             Unavailable: the daemon is unreachable or silent (only with ``degrade=False``).
         """
         return self._run(self._load_flow(ns_id, hashes), idempotent=True, degrade=degrade, fallback=[])
+
+    def load_into(self, ns_id: bytes, hashes: Sequence[bytes], buffers: Sequence[Any], *,
+                  degrade: bool = True) -> list[BlockHeader]:
+        """Copy the payloads of the stored prefix of ``hashes`` into ``buffers``, one per key.
+
+        Cheaper than :meth:`load`: no record is allocated, and each payload is verified (xxh3-64)
+        chunk by chunk while it is copied. Buffer ``i`` receives block ``i``'s payload in its first
+        ``headers[i].payload_len`` bytes (a bytearray, a memoryview, a numpy array, a CPU torch
+        tensor's ``.numpy()``); buffers past the prefix are untouched.
+
+        Returns:
+            The verified headers of the blocks copied (layout, shape, dtype, codec, sections, to
+            decode them), first first; shorter than ``hashes`` on a miss. A block that fails
+            verification is a miss (its buffer's contents are then unspecified).
+
+        Raises:
+            InvalidRequest: not one writable contiguous buffer per key, or a buffer smaller
+                than its block's payload (the blocks before it are copied).
+            Unavailable: the daemon is unreachable or silent (only with ``degrade=False``).
+        """
+        return self._run(self._load_into_flow(ns_id, hashes, buffers), idempotent=True, degrade=degrade,
+                         fallback=[])
 
     def save_tensors(self, ns: Namespace, hashes: Sequence[bytes], tensors: Sequence[torch.Tensor], *,
                      layout: str = "canonical", codec: str = "raw",

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+READ_CHUNK_BYTES = 1 << 20  # payloads above this are read chunk by chunk into one buffer
 MUTATING_OPS = ("delete", "clear")  # need the token over TCP (SPEC §7.4)
 FDS_SEND_TIMEOUT_S = 5.0  # how long the hello response may wait for room in the socket buffer
 JOIN_WRITE_BYTES = 1 << 20  # frames up to this size are written with one joined buffer
@@ -151,7 +152,7 @@ class Connection:
         try:
             async with asyncio.timeout(self.idle_timeout_s):
                 head = await reader.readexactly(header_len)
-                body = await reader.readexactly(payload_len) if has_payload else None
+                body = await _read_payload(reader, payload_len) if has_payload else None
         except asyncio.IncompleteReadError as exc:
             raise Truncated("stream ended inside a frame") from exc
         except TimeoutError:
@@ -317,3 +318,27 @@ def _known_op(op: str | None) -> str | None:
 def _op_label(op: str | None) -> str:
     # Bounded label values for metrics: a peer cannot mint new ones with made-up op names.
     return op if op in fr.REQUESTS else "unknown"
+
+
+async def _read_payload(reader: asyncio.StreamReader, n: int) -> bytes | bytearray:
+    """Exactly ``n`` bytes of a frame payload (``n`` already checked against the limits).
+
+    ``readexactly`` of a large payload grows the reader's buffer to ``n`` bytes (reallocating as
+    it grows, pausing the transport every 128 KiB) and then copies it out twice; reading what
+    arrives into one preallocated buffer copies each byte once more, while it is still in cache.
+
+    Raises:
+        asyncio.IncompleteReadError: the stream ended first.
+    """
+    if n <= READ_CHUNK_BYTES:
+        return await reader.readexactly(n)
+    body = bytearray(n)
+    got = 0
+    with memoryview(body) as view:
+        while got < n:
+            chunk = await reader.read(min(n - got, READ_CHUNK_BYTES))
+            if not chunk:
+                raise asyncio.IncompleteReadError(b"", n)  # only its type matters to the caller
+            view[got:got + len(chunk)] = chunk
+            got += len(chunk)
+    return body

@@ -89,12 +89,12 @@ class RequestHandler:
     # --- shared memory path --------------------------------------------------------------------
 
     async def _lookup(self, req: fr.LookupRequest, session: Session) -> fr.Message:
-        found = self.store.lookup(req.ns_id, req.hashes)
+        num_hits, names = self.store.lookup_names(req.ns_id, req.hashes)
         ns = self._namespace(req.ns_id)
         if ns is not None:  # unknown namespace: tokens per block unknown, nothing counted
-            misses = len(req.hashes) - found.num_hits
-            self.ctx.metrics.add_lookup_tokens(found.num_hits * ns.block_tokens, misses * ns.block_tokens)
-        return fr.LookupResponse(req.id, found.num_hits, tuple(t.name.lower() for t in found.tiers))
+            misses = len(req.hashes) - num_hits
+            self.ctx.metrics.add_lookup_tokens(num_hits * ns.block_tokens, misses * ns.block_tokens)
+        return fr.LookupResponse(req.id, num_hits, tuple(names))
 
     async def _reserve(self, req: fr.ReserveRequest, session: Session) -> fr.Message:
         res = await self.store.reserve(req.ns_id, req.hashes, req.sizes, lease_s=req.lease_ms / 1000,

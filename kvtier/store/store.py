@@ -178,6 +178,22 @@ class TieredStore:
         c.lookup_hits += len(metas)
         return LookupResult(len(metas), [m.fastest_tier for m in metas])
 
+    def lookup_names(self, ns_id: bytes, hashes: Sequence[bytes]) -> tuple[int, list[str]]:
+        """:meth:`lookup` for the wire: the hits and each one's fastest tier by its wire name
+        (``"gpu"``, ``"host"``, ``"disk"``), in one pass over the index.
+
+        Raises:
+            InvalidKey, InvalidRequest: malformed keys.
+        """
+        keys = check.check_keys(self.config, ns_id, hashes)
+        self.reclaim_expired()
+        names = self.index.lookup_names(keys)
+        c = self._counters
+        c.lookups += 1
+        c.lookup_keys += len(keys)
+        c.lookup_hits += len(names)
+        return len(names), names
+
     async def acquire(self, ns_id: bytes, hashes: Sequence[bytes], *, lease_s: float | None = None,
                       tier: Tier = Tier.HOST) -> Acquired:
         """Lease the stored prefix of ``hashes``, copying blocks into host memory where needed.

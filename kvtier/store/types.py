@@ -35,8 +35,18 @@ class Tier(enum.IntEnum):
         """The medium name used in KV events (vLLM's GPU / CPU / STORAGE)."""
         return _MEDIUM[self]
 
+    @property
+    def wire_name(self) -> str:
+        """The tier's name on the wire (lookup's ``tiers``): ``"gpu"``, ``"host"``, ...
+
+        A table lookup: ``name.lower()`` costs an Enum attribute access plus a new string per key.
+        """
+        return TIER_WIRE_NAMES[self]
+
 
 _MEDIUM = {Tier.GPU: "GPU", Tier.HOST: "CPU", Tier.DISK: "STORAGE", Tier.REMOTE: "REMOTE"}
+TIER_WIRE_NAMES: dict[Tier, str] = {t: t.name.lower() for t in Tier}
+"""Each tier's wire name (SPEC.md §7 lookup ``tiers``), precomputed."""
 
 
 @dataclass(frozen=True, slots=True)

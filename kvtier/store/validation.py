@@ -19,6 +19,8 @@ from kvtier.store.config import StoreConfig
 from kvtier.store.index import BlockMeta
 from kvtier.store.types import NS_ID_LEN, BlockKey, make_key
 
+_BYTES = frozenset((bytes,))
+
 
 def check_keys(cfg: StoreConfig, ns_id: bytes, hashes: Sequence[bytes]) -> list[BlockKey]:
     """Build the keys of a request.
@@ -32,10 +34,15 @@ def check_keys(cfg: StoreConfig, ns_id: bytes, hashes: Sequence[bytes]) -> list[
     if len(hashes) > cfg.max_batch:
         raise InvalidRequest(f"{len(hashes)} keys in one call > max_batch {cfg.max_batch}")
     n = cfg.hash_bytes
-    if not all(isinstance(h, bytes) and len(h) == n for h in hashes):
-        bad = next(h for h in hashes if not isinstance(h, bytes) or len(h) != n)
-        raise InvalidKey(f"chain hash must be {n} bytes, got {bad!r:.60}")
-    return [BlockKey(ns_id + h) for h in hashes]
+    # C-level passes over types and lengths (lookup carries hundreds of keys per call); a bytes
+    # subclass or a wrong length falls through to the per-item check that names it.
+    if not (set(map(type, hashes)) <= _BYTES and set(map(len, hashes)) <= {n}):
+        for h in hashes:
+            if not isinstance(h, bytes) or len(h) != n:
+                raise InvalidKey(f"chain hash must be {n} bytes, got {h!r:.60}")
+    # BlockKey is a NewType (identity at run time): calling it per key would only cost a call.
+    keys: list[BlockKey] = [ns_id + h for h in hashes]  # type: ignore[misc]
+    return keys
 
 
 def check_unique(keys: Sequence[BlockKey]) -> None:

@@ -48,6 +48,8 @@ DEFAULT_MAX_HEADER_LEN = 64 * 1024
 DEFAULT_MAX_PAYLOAD_LEN = 1 << 30
 _U64 = (1 << 64) - 1
 _NAME = re.compile(r"[a-z0-9][a-z0-9_.-]*\Z")
+_NONE = type(None)
+_INT, _STR = frozenset((int,)), frozenset((str,))
 
 REQUIRED_KEYS = ("ns", "hash", "parent", "tokens", "layout", "shape", "dtype", "codec",
                  "sections", "plen", "csum_alg", "csum", "quant")
@@ -140,6 +142,30 @@ def _check_hash(what: str, v: object) -> None:
         raise HeaderError(f"{what} must be {MIN_HASH_LEN}..{MAX_HASH_LEN} bytes, got {v!r:.80}")
 
 
+_TOKEN_AXES: dict[tuple[str, tuple[int, ...]], int] = {}
+_MAX_CACHED_SHAPES = 1024
+
+
+def _token_axis(layout_name: str, shape: tuple[Any, ...]) -> int:
+    """Check ``shape`` against the layout; its token axis. Valid (layout, shape) pairs are
+    memoised: a process sees a handful of block shapes, and the check runs on every header."""
+    cache_key = (layout_name, shape)
+    if set(map(type, shape)) <= _INT:  # hashable, and bools never alias ints in the cache
+        axis = _TOKEN_AXES.get(cache_key)
+        if axis is not None:
+            return axis
+    try:
+        layout = get_layout(layout_name)
+        layout.geometry_of(shape)
+    except LayoutError as e:
+        raise HeaderError(f"bad layout or shape: {e.message}") from None
+    if set(map(type, shape)) <= _INT:
+        if len(_TOKEN_AXES) >= _MAX_CACHED_SHAPES:
+            _TOKEN_AXES.clear()
+        _TOKEN_AXES[cache_key] = layout.token_axis
+    return layout.token_axis
+
+
 def _validate(h: BlockHeader) -> None:
     """Check every field of a header and the rules that tie them together."""
     if not isinstance(h.ns_id, bytes) or len(h.ns_id) != NS_ID_LEN:
@@ -151,12 +177,8 @@ def _validate(h: BlockHeader) -> None:
         raise HeaderError(f"layout must be a string, got {h.layout!r:.80}")
     if not isinstance(h.shape, tuple):
         raise HeaderError("shape must be a tuple")
-    try:
-        layout = get_layout(h.layout)
-        layout.geometry_of(h.shape)
-    except LayoutError as e:
-        raise HeaderError(f"bad layout or shape: {e.message}") from None
-    if not _is_int(h.num_tokens) or h.num_tokens != h.shape[layout.token_axis]:
+    token_axis = _token_axis(h.layout, h.shape)
+    if not _is_int(h.num_tokens) or h.num_tokens != h.shape[token_axis]:
         raise HeaderError(f"tokens {h.num_tokens!r} != token axis of shape {h.shape} ({h.layout})")
     check_dtype(h.dtype)
     _check_name("codec", h.codec)
@@ -290,31 +312,43 @@ def _get(m: dict[str, Any], key: str, types: type | tuple[type, ...]) -> Any:
     return v
 
 
+_REQUIRED_SET = frozenset(REQUIRED_KEYS)
+_WIRE_SET = frozenset(WIRE_KEYS)
+_REQUIRED_TYPES = (("ns", bytes), ("hash", bytes), ("parent", (bytes, _NONE)), ("tokens", int),
+                   ("layout", str), ("shape", list), ("dtype", str), ("codec", str), ("sections", list),
+                   ("plen", int), ("csum_alg", str), ("csum", int), ("quant", (dict, _NONE)))
+assert tuple(k for k, _ in _REQUIRED_TYPES) == REQUIRED_KEYS
+_FAST_TYPES = frozenset((bytes, bytes, parent, int, str, list, str, str, list, int, str, int, quant)
+                        for parent in (bytes, _NONE) for quant in (_NONE, dict))
+"""Every combination of exact types of REQUIRED_KEYS, in order, that :func:`_get` accepts
+(msgpack yields no subclasses): one C-level tuple compare checks a whole map."""
+
+
 def _from_map(m: Any, max_payload_len: int) -> BlockHeader:
-    if not isinstance(m, dict) or not all(isinstance(k, str) for k in m):
+    if not isinstance(m, dict) or not (set(map(type, m)) <= _STR or all(isinstance(k, str) for k in m)):
         raise HeaderError("header must be a msgpack map with string keys")
-    plen = _get(m, "plen", int)
+    if not (m.keys() >= _REQUIRED_SET and tuple(map(type, map(m.__getitem__, REQUIRED_KEYS))) in _FAST_TYPES):
+        for key, types in _REQUIRED_TYPES:
+            _get(m, key, types)  # raises the error naming the first missing or mistyped key
+    plen = m["plen"]
     if plen > max_payload_len:
         raise LimitExceeded(f"plen {plen} > limit {max_payload_len}")
-    shape = _get(m, "shape", list)
     sections = []
-    for s in _get(m, "sections", list):
+    for s in m["sections"]:
         if not (isinstance(s, list) and len(s) == 3):
             raise HeaderError("each section must be an array [name, offset, length]")
         sections.append(Section(*s))
-    quant = _get(m, "quant", (dict, type(None)))
+    quant = m["quant"]
     ns_fields = m.get("ns_fields")
     if ns_fields is not None and not isinstance(ns_fields, dict):
         raise HeaderError("ns_fields must be a map")
     return BlockHeader(
-        ns_id=_get(m, "ns", bytes), chain_hash=_get(m, "hash", bytes),
-        parent_hash=_get(m, "parent", (bytes, type(None))), num_tokens=_get(m, "tokens", int),
-        layout=_get(m, "layout", str), shape=tuple(shape), dtype=_get(m, "dtype", str),
-        codec=_get(m, "codec", str), sections=tuple(sections), payload_len=plen,
-        checksum=_get(m, "csum", int), checksum_alg=_get(m, "csum_alg", str),
+        ns_id=m["ns"], chain_hash=m["hash"], parent_hash=m["parent"], num_tokens=m["tokens"],
+        layout=m["layout"], shape=tuple(m["shape"]), dtype=m["dtype"], codec=m["codec"],
+        sections=tuple(sections), payload_len=plen, checksum=m["csum"], checksum_alg=m["csum_alg"],
         quant=QuantParams.from_wire(quant) if quant is not None else None,
         ns_fields=ns_fields, created_ms=m.get("created"),
-        extra=tuple((k, v) for k, v in m.items() if k not in WIRE_KEYS))
+        extra=() if m.keys() <= _WIRE_SET else tuple((k, v) for k, v in m.items() if k not in WIRE_KEYS))
 
 
 def _byte_view(buf: bytes | bytearray | memoryview) -> memoryview:

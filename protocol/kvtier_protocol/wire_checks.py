@@ -24,6 +24,8 @@ DEFAULT_LEASE_MS = 30_000
 TIER_NAMES = ("gpu", "host", "disk", "remote")
 EXISTS = "exists"
 PUT_RESULTS = ("stored", "exists", "full")
+_TIER_SET = frozenset(TIER_NAMES)
+_BYTES, _STR = frozenset((bytes,)), frozenset((str,))
 
 SlotRef: TypeAlias = tuple[int, int, int]
 """``(segment, offset, length)``: a byte range of one shared host segment."""
@@ -76,7 +78,14 @@ def ns_id(name: str, value: Any, limits: Limits) -> bytes:
 
 
 def hashes(name: str, value: Any, limits: Limits) -> tuple[bytes, ...]:
-    return tuple(binary(name, h, MIN_HASH_LEN, MAX_HASH_LEN) for h in array(name, value, limits))
+    value = array(name, value, limits)
+    # Fast path (a lookup carries hundreds of hashes): one C-level pass over types and lengths;
+    # anything unusual takes the per-item checks, which name the offending entry.
+    if set(map(type, value)) <= _BYTES:
+        lens = set(map(len, value))
+        if not lens or (min(lens) >= MIN_HASH_LEN and max(lens) <= MAX_HASH_LEN):
+            return tuple(value)
+    return tuple(binary(name, h, MIN_HASH_LEN, MAX_HASH_LEN) for h in value)
 
 
 def sizes(name: str, value: Any, limits: Limits) -> tuple[int, ...]:
@@ -133,7 +142,10 @@ def slots(name: str, value: Any, limits: Limits) -> tuple[SlotRef | str | None, 
 
 
 def tiers(name: str, value: Any, limits: Limits) -> tuple[str, ...]:
-    out = tuple(text(name, v, limits) for v in array(name, value, limits))
+    value = array(name, value, limits)
+    if set(map(type, value)) <= _STR and set(value) <= _TIER_SET:  # fast path, as in hashes
+        return tuple(value)
+    out = tuple(text(name, v, limits) for v in value)
     for t in out:
         if t not in TIER_NAMES:
             raise InvalidRequest(f"{name}: unknown tier {t!r}; tiers are {TIER_NAMES}")

@@ -178,6 +178,37 @@ def test_duplicate_keys_and_non_map_bodies_are_refused() -> None:
             decode_header(wrap(body))
 
 
+def test_bool_typed_fields_and_shapes_are_refused_after_the_fast_paths_ran() -> None:
+    """The typed-map fast path and the (layout, shape) memo never let a bool pass for an int."""
+    good = wire_map(raw_header())
+    assert decode_header(record_of(good))[0] == raw_header()  # memoises canonical (2, 2, 2, 4, 8)
+    for key in ("tokens", "plen", "csum"):
+        with pytest.raises(HeaderError):
+            decode_header(record_of({**good, key: True}))
+    with pytest.raises(HeaderError, match="layout or shape"):
+        decode_header(record_of({**good, "shape": [2, True, 2, 4, 8]}))  # (2, 1, ...) == (2, True, ...)
+    with pytest.raises(HeaderError, match="layout or shape"):
+        raw_header(shape=(2, 2, 2, 4, True))
+    with pytest.raises(HeaderError):
+        decode_header(record_of({**good, "sections": [("payload", 0, 512)], "shape": [2, 2, 2, 4, 8, 1]}))
+
+
+def test_nested_duplicate_keys_are_refused() -> None:
+    good = wire_map(raw_header(ns_fields={"model": "m"}))
+    body = msgpack.packb(good, use_bin_type=True)
+    inner = msgpack.packb({"model": "m"})
+    assert inner in body
+    dup = body.replace(inner, bytes([0x82]) + inner[1:] + msgpack.packb("model") + msgpack.packb("n"))
+    with pytest.raises(HeaderError, match="duplicate"):
+        decode_header(wrap(dup))
+
+
+def test_headers_with_optional_and_unknown_keys_decode_like_plain_ones() -> None:
+    h = raw_header(ns_fields={"model": "m", "layers": [1, {"a": 2}]}, created_ms=5, extra=(("zz", {"k": [1]}),))
+    back, _ = decode_header(encode_header(h))
+    assert back == h and back.extra == (("zz", {"k": [1]}),)
+
+
 # --- preamble and limits ------------------------------------------------------------------------
 
 

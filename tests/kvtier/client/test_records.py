@@ -51,3 +51,14 @@ def test_key_checks() -> None:
     for bad_hash in (b"1234567", b"x" * 65, 12):
         with pytest.raises(InvalidKey):
             check_hashes([bad_hash])  # type: ignore[list-item]
+
+
+def test_check_hashes_fast_and_slow_paths() -> None:
+    keys = [key(i) for i in range(300)]
+    assert check_hashes(keys) == keys and check_hashes(tuple(keys)) == keys
+    assert check_hashes(iter(keys[:3])) == keys[:3]  # any iterable, walked once
+    assert check_hashes([bytearray(keys[0]), memoryview(keys[1])]) == keys[:2]
+    assert check_hashes([b"a" * 8, b"b" * 64]) == [b"a" * 8, b"b" * 64] and check_hashes([]) == []
+    for bad in ([keys[0], b"a" * 7], [b"a" * 65], [keys[0], "x" * 32], [None], [keys[0], 5]):
+        with pytest.raises(InvalidKey):
+            check_hashes(bad)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
 
 import pytest
 
 from kvtier.client import ConnectionLost
+from kvtier.client import shm as shm_mod
 from kvtier.client.shm import SegmentMap
 from kvtier_protocol.errors import FrameError, StorageError
 from kvtier_protocol.frames import Segment
@@ -62,3 +65,33 @@ def test_descriptor_count_and_size_are_checked() -> None:
     with pytest.raises(StorageError):
         SegmentMap.from_fds([Segment("a", 4096), Segment("b", 4096)], fds)
     assert not any(fd_is_open(fd) for fd in fds)
+
+
+def _resident_kib(mm: mmap.mmap) -> int:
+    """Rss of the mapping ``mm`` from /proc/self/smaps (Linux)."""
+    buf = ctypes.c_char.from_buffer(mm)
+    try:
+        start = ctypes.addressof(buf)
+    finally:
+        del buf  # the export would keep the mapping from closing
+    with open("/proc/self/smaps") as f:
+        lines = f.read().splitlines()
+    for i, line in enumerate(lines):
+        if line.split("-", 1)[0] in (f"{start:x}", f"{start:08x}"):
+            rss = next(x for x in lines[i + 1:] if x.startswith("Rss:"))
+            return int(rss.split()[1])
+    raise AssertionError("mapping not found in /proc/self/smaps")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux /proc")
+def test_segments_are_prefaulted_up_to_the_populate_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shm_mod, "POPULATE_BYTES", 2 << 20)
+    sizes = [1 << 20, 1 << 20, 1 << 20]  # the third goes over the budget: mapped lazily
+    shm = SegmentMap.from_fds([Segment(str(i), n) for i, n in enumerate(sizes)], [memfd(n) for n in sizes])
+    try:
+        rss = [_resident_kib(m) for m in shm._maps]
+        assert rss[:2] == [1024, 1024] and rss[2] == 0
+        shm.write((2, 0, 4), b"late")  # the lazy one works all the same
+        assert shm.read_record(b"", (2, 0, 4)) == b"late"
+    finally:
+        shm.close()

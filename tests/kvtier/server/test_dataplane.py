@@ -369,3 +369,22 @@ async def test_request_fields_and_token_keys_are_validated(tmp_path):
         assert err(await peer.call("lookup", ns_id=NS.ns_id, hashes=hashes)) == "limit_exceeded"
         assert p.store.gauges().blocks == 0
         ok(await peer.call("put", rec.record, **base, tokens=[list(rec.tokens)], unit_hashes=None))
+
+
+async def test_large_payload_read_in_chunks_and_a_stream_ending_inside_it(tmp_path):
+    big = 3 << 20  # above connection.READ_CHUNK_BYTES: read chunk by chunk into one buffer
+    async with open_plane(tmp_path, host_bytes=16 << 20) as p:
+        peer = await p.connect(p.tcp, token=TOKEN)
+        key, record = big_record(big)
+        stored = ok(await peer.call("put", record, ns_id=BIG_NS_ID, hashes=[key], lens=[len(record)]))
+        assert stored["results"] == ["stored"]
+        got = await peer.call("get", ns_id=BIG_NS_ID, hashes=[key])
+        assert bytes(got.payload) == record
+        cut = await p.connect(p.tcp, token=TOKEN)
+        other_key, other = big_record(big, seed=2)
+        frame = fr.encode_frame_bytes({"op": "put", "id": 7, "ns_id": BIG_NS_ID, "hashes": [other_key],
+                                       "lens": [len(other)]}, other)
+        await cut.send_bytes(frame[:len(frame) - (1 << 20)])
+        cut.raw.sock.shutdown(socket.SHUT_WR)  # the stream ends 1 MiB short of the payload
+        assert await cut.recv() is None  # closed without an answer; nothing stored
+        assert ok(await peer.call("lookup", ns_id=BIG_NS_ID, hashes=[other_key]))["num_hits"] == 0

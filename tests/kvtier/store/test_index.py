@@ -49,6 +49,20 @@ def test_lookup_skips_pending_blocks_and_other_namespaces(index):
     assert index.pending == 1
 
 
+def test_lookup_names_names_the_fastest_tier_of_each_hit(index):
+    committed(index, 0, tier=Tier.DISK)
+    both = committed(index, 1)
+    index.place(both, Tier.DISK)
+    committed(index, 2)
+    pending = BlockMeta(key(3), 50)
+    index.add(pending)
+    keys = [key(i) for i in range(4)]
+    assert index.lookup_names(keys) == ["disk", "host", "host"]
+    assert index.lookup_names(keys) == [m.fastest_tier.wire_name for m in index.lookup(keys)]
+    assert index.lookup_names([key(9), key(0)]) == [] and index.lookup_names([]) == []
+    assert [t.wire_name for t in Tier] == ["gpu", "host", "disk", "remote"]
+
+
 def test_accounting_charges_payload_in_memory_and_record_on_disk(index):
     meta = committed(index, 0, size=100, header=b"h" * 24)
     index.place(meta, Tier.DISK)

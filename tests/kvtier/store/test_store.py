@@ -38,6 +38,23 @@ async def test_lookup_counts_the_consecutive_prefix(open_store):
     assert store.lookup(NS, hashes(recs[2:])).num_hits == 0  # a gap at the start: nothing
     assert store.lookup(NS2, hashes(recs)).num_hits == 0  # another namespace: nothing
     assert store.lookup(NS, []).num_hits == 0
+    assert store.lookup_names(NS, hashes(recs)) == (2, ["host", "host"])
+    assert store.lookup_names(NS2, hashes(recs)) == (0, [])
+    assert store.counters.lookups == 6 and store.counters.lookup_hits == 4
+
+
+async def test_lookup_and_lookup_names_refuse_the_same_keys(open_store):
+    store = await open_store(disk_path=None)
+    good = make_rec(0).chain_hash
+    bad_cases = [(NS[:15], [good]), (bytearray(NS), [good]), (NS, [good[:-1]]), (NS, [good, good + b"x"]),
+                 (NS, [bytearray(good)]), (NS, [good, None]), (NS, [good] * (store.config.max_batch + 1))]
+    for ns_id, hs in bad_cases:
+        errors = []
+        for call in (store.lookup, store.lookup_names):
+            with pytest.raises((InvalidKey, InvalidRequest)) as exc:
+                call(ns_id, hs)
+            errors.append(type(exc.value))
+        assert errors[0] is errors[1], (ns_id, hs)
 
 
 async def test_put_then_get_returns_header_and_payload_byte_identical(open_store):

@@ -10,7 +10,12 @@ from collections.abc import Sequence
 from kvtier import __version__
 from kvtier.bench import SUITES
 
-COMMANDS: tuple[str, ...] = ("kvtier.commands.serve", "kvtier.commands.size", "kvtier.commands.admin")
+COMMANDS: tuple[str, ...] = (
+    "kvtier.commands.serve",
+    "kvtier.commands.size",
+    "kvtier.commands.admin",
+    "kvtier.commands.engine",
+)
 """Modules under kvtier/commands/ that each expose ``register(subparsers)``: it adds its
 subcommands with ``set_defaults(func=...)``; func(args) -> exit status. Keep their top-level
 imports light (argparse only): heavy imports belong inside func."""

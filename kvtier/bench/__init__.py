@@ -19,4 +19,6 @@ SUITES: dict[str, tuple[str, str]] = {
     "store": ("kvtier.bench.store", "host-tier put/get vs torch copy_; disk write/read vs dd O_DIRECT"),
     "dataplane": ("kvtier.bench.dataplane",
                   "daemon data plane: put/get over shared memory and TCP vs torch copy_; lookup p50/p99 vs ping"),
+    "ttft": ("kvtier.bench.ttft",
+             "time to first token on a prefix hit vs full prefill (reference engine and HF)"),
 }

@@ -1,0 +1,350 @@
+"""`kvtier bench ttft`: time to first token on a prefix hit vs a full prefill, in the same run.
+
+A prompt of ``L`` tokens whose first ``L - suffix`` tokens are stored in a real daemon (a
+``kvtier serve`` subprocess on a unix socket: loads come through its shared memory, host tier
+only) is answered twice, alternately: once loading the stored prefix and computing the suffix
+(kvtier), once computing every token (baseline). Both sides run one forward pass over their
+tokens and stop at the first token. ``ratio`` = prefill / hit: how many times sooner the first
+token comes on a hit.
+
+Rows, per prompt length:
+  * ``engine L (S stored)`` TTFT: the reference engine loading the prefix through its connector
+    (every hit starts from empty pages and a fresh suffix, so it loads exactly S tokens), next
+    to the same engine and weights without kvtier computing all L tokens.
+  * ``engine L (S stored)`` TTFT vs resident: the same hit next to a hit on the engine's own
+    pages (the prefix already resident, nothing loaded): the cost of the load itself.
+  * ``hf L (S stored)`` TTFT and TTFT vs resident: HF transformers (``AutoModelForCausalLM``,
+    SDPA) with the prefix loaded into a ``DynamicCache`` by :mod:`kvtier.connector.hf_cache`,
+    next to HF computing all L tokens, and next to HF continuing a cache already in memory.
+
+The prefixes are stored by the reference engine and loaded by HF as well: one namespace per
+checkpoint, so HF reuses the engine's KV ("prefill once, decode anywhere"). The model is a random
+checkpoint (``make_random_checkpoint``, fixed seed) unless ``--model`` names one. TTFT is the
+caller's view: hashing the prompt, the lookup and load, the forward pass, the first token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+import kvtier
+import kvtier_protocol
+from kvtier.bench.report import Row, SuiteResult, alternate, latency_row, progress
+from kvtier.connector import KVConnectorCore, namespace_for_checkpoint
+from kvtier.connector.hf_cache import cache_argument, load_prefix, save_prefix
+from kvtier.engine.checkpoint import load_config, make_random_checkpoint
+from kvtier.engine.config import ModelConfig
+from kvtier.engine.engine import Engine, Output
+from kvtier.engine.sampler import SamplingParams
+
+DESCRIPTION = "time to first token on a prefix hit vs full prefill (reference engine and HF)"
+MIB = 1 << 20
+BENCH_MODEL = ModelConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_layers=8, num_heads=16,
+                          num_kv_heads=4, head_dim=64, rope_theta=500000.0, max_position_embeddings=8448)
+QUICK_MODEL = ModelConfig(vocab_size=1024, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
+                          num_kv_heads=2, head_dim=32, rope_theta=10000.0, max_position_embeddings=1024)
+ONE = SamplingParams(max_tokens=1)
+HF_K, PROFILE_K = -1, -2  # suffix numbers of HF's prompts and of the profiled engine hit (engine hits count from 0)
+Fn = Callable[[], float]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="an HF Llama-family checkpoint dir (default: a random one)")
+    parser.add_argument("--layers", type=int, default=None, help="layers of the random model (default 8; --quick 2)")
+    parser.add_argument("--lengths", default=None, help="prompt lengths (default 1024,2048,4096,8192; --quick 256,512)")
+    parser.add_argument("--suffix", type=int, default=None, help="tokens computed on a hit (default 256; --quick 64)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="weights and KV dtype (default float32: this CPU has no bf16 GEMM)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--engines", choices=("both", "engine", "hf"), default="both", help="which engines to run")
+    parser.add_argument("--profile", metavar="PREFIX", default=None,
+                        help="cProfile one hit per engine at the longest length into PREFIX-<engine>.prof "
+                             "(top functions on stderr)")
+
+
+def run(args: argparse.Namespace) -> SuiteResult:
+    reps = args.repetitions or (2 if args.quick else 3)
+    lengths = [int(x) for x in (args.lengths or ("256,512" if args.quick else "1024,2048,4096,8192")).split(",")]
+    suffix = args.suffix or (64 if args.quick else 256)
+    if not 0 < suffix < min(lengths) or any(n % 16 for n in lengths):
+        raise ValueError("ttft: --suffix must be below every length, and lengths multiples of 16")
+    dtype = getattr(torch, args.dtype)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    work = Path(tempfile.mkdtemp(prefix="kvtier-bench-ttft-", dir="/tmp"))
+    try:
+        model_dir = Path(args.model) if args.model else _random_model(work, args, dtype)
+        cfg = load_config(model_dir)
+        if max(lengths) >= cfg.max_position_embeddings:
+            raise ValueError(f"ttft: the model has {cfg.max_position_embeddings} positions, < {max(lengths) + 1}")
+        plan = _Plan(model_dir, lengths, suffix, reps, dtype, cfg.vocab_size, args.profile)
+        ns = namespace_for_checkpoint(model_dir, kv_dtype=dtype)
+        # Every prefix, plus the suffix blocks each engine hit saves after its first token.
+        blocks = sum(n + 4 * reps * suffix for n in lengths) // ns.block_tokens
+        stored = blocks * ns.block_payload_bytes()
+        daemon = _Daemon(work, host_bytes=max(256 * MIB, 2 * stored))
+        daemon.start()
+        try:
+            result = SuiteResult("ttft")
+            # HF first: its prefill is the faster one, so it computes and stores the prefixes,
+            # and the engine's hits load HF's KV.
+            if args.engines in ("both", "hf"):
+                result.rows += _hf_rows(plan, daemon.address)
+            if args.engines in ("both", "engine"):
+                result.rows += _engine_rows(plan, daemon.address)
+            return result
+        finally:
+            daemon.stop()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """What every engine runs: the same prompts (one prefix per length, numbered suffixes)."""
+
+    model_dir: Path
+    lengths: list[int]     # prompt lengths
+    suffix: int            # tokens after the stored prefix: what a hit computes
+    reps: int              # repetitions per figure
+    dtype: torch.dtype
+    vocab: int
+    profile: str | None    # cProfile output prefix, or None
+    block_tokens: int = 16  # the engine's default page, and the namespace's block
+
+    def tokens(self, n: int, seed: int) -> list[int]:
+        return torch.randint(0, self.vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+    def prefix(self, length: int) -> list[int]:
+        return self.tokens(length - self.suffix, seed=length)
+
+    def prompt(self, length: int, k: int) -> list[int]:
+        """The prefix and suffix number ``k``. Engine hits take a fresh ``k`` each: a hit then never
+        finds blocks an earlier hit saved past the prefix, so every hit loads exactly the prefix."""
+        return self.prefix(length) + self.tokens(self.suffix, seed=(length << 20) + k)
+
+    def case(self, engine: str, length: int) -> str:
+        return f"{engine} {length} ({length - self.suffix} stored)"
+
+
+def _random_model(work: Path, args: argparse.Namespace, dtype: torch.dtype) -> Path:
+    cfg = QUICK_MODEL if args.quick else BENCH_MODEL
+    if args.layers:
+        cfg = replace(cfg, num_layers=args.layers)
+    progress(f"ttft: random checkpoint: {cfg.num_layers} layers, hidden {cfg.hidden_size}, heads "
+             f"{cfg.num_heads}/{cfg.num_kv_heads}, vocab {cfg.vocab_size}, {str(dtype).removeprefix('torch.')}")
+    make_random_checkpoint(work / "model", cfg, seed=0, dtype=dtype)
+    return work / "model"
+
+
+# --- the reference engine ------------------------------------------------------------------------
+
+
+def _engine_rows(plan: _Plan, address: str) -> list[Row]:
+    kw = dict(dtype=plan.dtype, max_step_tokens=max(plan.lengths))
+    rows: list[Row] = []
+    with Engine(plan.model_dir, kvtier_address=address, **kw) as kv, Engine(plan.model_dir, **kw) as plain:
+        for length in plan.lengths:
+            stored = length - plan.suffix
+            prefix = plan.prefix(length)
+            assert kv.connector is not None
+            if kv.connector.lookup(kv.connector.block_hashes(prefix)) < stored // plan.block_tokens:
+                progress(f"ttft: engine {length}: computing and storing the {stored}-token prefix")
+                kv.generate([prefix], ONE)
+            calls = {"hit": 0, "full": 0, "resident": 1 << 16}
+            logits: dict[str, list[torch.Tensor]] = {"hit": [], "full": []}
+
+            def timed(engine: Engine, role: str) -> tuple[float, Output]:
+                k, calls[role] = calls[role], calls[role] + 1
+                return _engine_ttft(engine, plan.prompt(length, k))
+
+            def hit() -> float:
+                kv.reset_prefix_cache()  # forget the pages: the prefix must come from kvtier
+                t, out = timed(kv, "hit")
+                assert out.loaded_tokens == stored, f"engine hit loaded {out.loaded_tokens} of {stored} tokens"
+                logits["hit"].append(out.first_logits)
+                return t
+
+            def full() -> float:  # the k-th full prefill answers the k-th hit's prompt: comparable logits
+                plain.reset_prefix_cache()
+                t, out = timed(plain, "full")
+                assert out.prefix_hit_tokens == 0
+                logits["full"].append(out.first_logits)
+                return t
+
+            def resident() -> float:  # the hit before it left the prefix in the engine's pages
+                t, out = timed(kv, "resident")
+                assert out.loaded_tokens == 0 and out.prefix_hit_tokens == stored
+                return t
+
+            _two_rows(rows, plan, "engine", length, hit, full, "engine prefill (no kvtier)", resident,
+                      "engine, prefix in its own pages", logits)
+        if plan.profile:
+            kv.reset_prefix_cache()
+            _profiled(f"{plan.profile}-engine.prof", lambda: _engine_ttft(kv, plan.prompt(max(plan.lengths), PROFILE_K)))
+    return rows
+
+
+def _engine_ttft(engine: Engine, prompt: list[int]) -> tuple[float, Output]:
+    """Milliseconds from handing the prompt over (hashing included) to its first token."""
+    t0 = time.perf_counter()
+    engine.add_request(prompt, ONE)
+    done: list[Output] = []
+    while not done:
+        done = engine.step()
+    t = (time.perf_counter() - t0) * 1e3
+    engine.flush()  # the hit's background save of its suffix blocks, outside the timed region
+    return t, done[0]
+
+
+# --- HF transformers -----------------------------------------------------------------------------
+
+
+def _hf_rows(plan: _Plan, address: str) -> list[Row]:
+    from transformers import AutoModelForCausalLM, DynamicCache
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # stderr carries the bench's own progress lines
+    model = AutoModelForCausalLM.from_pretrained(plan.model_dir, dtype=plan.dtype).eval()
+    arg = cache_argument(model)
+    ns = namespace_for_checkpoint(plan.model_dir, kv_dtype=plan.dtype)
+    rows: list[Row] = []
+
+    def forward(ids: list[int], cache: object = None) -> tuple[torch.Tensor, object]:
+        with torch.inference_mode():
+            out = model(input_ids=torch.tensor([ids]), use_cache=True, logits_to_keep=1, **{arg: cache})
+        int(out.logits[0, -1].argmax())  # the first token
+        return out.logits[0, -1], (out.cache if hasattr(out, "cache") else out.past_key_values)
+
+    with KVConnectorCore(ns, address=address) as core:
+        for length in plan.lengths:
+            prefix, stored = plan.prefix(length), length - plan.suffix
+            prompt = plan.prompt(length, HF_K)  # HF saves nothing, so one prompt serves every call
+            if core.lookup(core.block_hashes(prefix)) < stored // plan.block_tokens:
+                progress(f"ttft: hf {length}: computing and storing the {stored}-token prefix")
+                save_prefix(core, prefix, forward(prefix)[1])
+            kept, n = load_prefix(core, prompt, dtype=plan.dtype, config=model.config)
+            assert kept is not None and n == stored, f"hf loaded {n} of {stored} tokens"
+            layers = [(layer.keys, layer.values) for layer in kept.layers]
+            logits: dict[str, list[torch.Tensor]] = {"hit": [], "full": []}
+
+            def hit() -> float:
+                t0 = time.perf_counter()
+                cache, n = load_prefix(core, prompt, dtype=plan.dtype, config=model.config)
+                out = forward(prompt[n:], cache)[0]
+                t = (time.perf_counter() - t0) * 1e3
+                assert n == stored, f"hf loaded {n} of {stored} tokens"
+                logits["hit"].append(out)
+                return t
+
+            def full() -> float:
+                t0 = time.perf_counter()
+                out = forward(prompt)[0]
+                t = (time.perf_counter() - t0) * 1e3
+                logits["full"].append(out)
+                return t
+
+            def resident() -> float:
+                t0 = time.perf_counter()
+                forward(prompt[stored:], DynamicCache(ddp_cache_data=layers, config=model.config))
+                return (time.perf_counter() - t0) * 1e3
+
+            _two_rows(rows, plan, "hf", length, hit, full, "HF prefill (no kvtier)", resident,
+                      "HF, DynamicCache in memory", logits)
+            if plan.profile and length == max(plan.lengths):
+                _profiled(f"{plan.profile}-hf.prof", hit)
+    return rows
+
+
+# --- reporting -----------------------------------------------------------------------------------
+
+
+def _two_rows(rows: list[Row], plan: _Plan, engine: str, length: int, hit: Fn, full: Fn, full_name: str,
+              resident: Fn, resident_name: str, logits: dict[str, list[torch.Tensor]]) -> None:
+    """Hit vs full prefill, then hit vs resident prefix, alternating; appended to ``rows``."""
+    kv_s, base_s = alternate(hit, full, repetitions=plan.reps, warmup=0)
+    rows.append(latency_row(plan.case(engine, length), "TTFT", "ms", kv_s, full_name, base_s))
+    worst = max(float((h - f).abs().max() / f.abs().max()) for h, f in zip(logits["hit"], logits["full"]))
+    kv_s, base_s = alternate(hit, resident, repetitions=plan.reps, warmup=0)
+    rows.append(latency_row(plan.case(engine, length), "TTFT vs resident", "ms", kv_s, resident_name, base_s))
+    progress(f"ttft: {engine} {length}: next-token logits of hit vs prefill differ by <= {worst:.1e} (relative)")
+    for r in rows[-2:]:
+        progress(f"ttft: {r.case} {r.metric}: {r.kvtier:.1f} ms vs {r.baseline_name} {r.baseline:.1f} ms "
+                 f"-> {r.ratio:.2f}x")
+
+
+def _profiled(path: str, fn: Callable[[], object]) -> None:
+    prof = cProfile.Profile()
+    prof.runcall(fn)
+    prof.dump_stats(path)
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(15)
+    progress(f"ttft: profile of one hit -> {path}\n{out.getvalue()}")
+
+
+# --- the daemon ----------------------------------------------------------------------------------
+
+
+class _Daemon:
+    """``kvtier serve`` on a unix socket in ``work`` (REST off, no disk tier); log in ``work/daemon.log``."""
+
+    def __init__(self, work: Path, *, host_bytes: int) -> None:
+        self.work, self.host_bytes = work, host_bytes
+        self.address = f"unix:{work / 'kvtier.sock'}"
+        self.log_path = work / "daemon.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 60.0) -> None:
+        cmd = [sys.executable, "-m", "kvtier", "serve", "--data-dir", str(self.work), "--socket",
+               str(self.work / "kvtier.sock"), "--rest", "off", "--host-bytes", str(self.host_bytes),
+               "--disk-bytes", "0", "--log-level", "info"]
+        # The child imports the same kvtier and kvtier_protocol as this process, installed or not.
+        roots = [str(Path(m.__file__).resolve().parents[1]) for m in (kvtier, kvtier_protocol)]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+        env["PYTHONPATH"] = os.pathsep.join([*roots, os.environ.get("PYTHONPATH", "")])
+        progress(f"ttft: starting the daemon (host tier {self.host_bytes // MIB} MiB, no disk tier)")
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if "kvtierd ready" in self.log_path.read_text(errors="replace"):
+                return
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the daemon exited with {self.proc.returncode}:\n{self._tail()}")
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"the daemon was not ready within {timeout_s:.0f} s:\n{self._tail()}")
+
+    def _tail(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:] if self.log_path.exists() else ""
+
+    def stop(self) -> None:
+        """SIGTERM and wait (the daemon drains and unlinks its shared memory); SIGKILL if stuck."""
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            progress("ttft: the daemon did not stop within 30 s; killing it")
+            proc.kill()
+            proc.wait(10)
+
+
+__all__ = ["DESCRIPTION", "add_arguments", "run"]

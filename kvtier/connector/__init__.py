@@ -1,0 +1,18 @@
+"""The engine-agnostic connector core and its parts (DESIGN.md §5).
+
+:class:`KVConnectorCore` moves prefix blocks between an engine's paged KV caches and the kvtier
+daemon; :func:`namespace_for_checkpoint` names the KV of a checkpoint (geometry from its
+config.json, revision from a digest of its weights). Engine adapters (the reference engine,
+vLLM, SGLang, HF transformers) are thin layers over these.
+"""
+
+from kvtier.connector.core import KVConnectorCore, default_address
+from kvtier.connector.jobs import JobResult
+from kvtier.connector.namespace import checkpoint_digest, geometry_from_config, namespace_for_checkpoint
+from kvtier.connector.pages import PAGE_LAYOUTS, PageLayout, gather_block, get_page_layout
+from kvtier.connector.stats import ConnectorStats
+
+__all__ = [
+    "PAGE_LAYOUTS", "ConnectorStats", "JobResult", "KVConnectorCore", "PageLayout", "checkpoint_digest",
+    "default_address", "gather_block", "geometry_from_config", "get_page_layout", "namespace_for_checkpoint",
+]

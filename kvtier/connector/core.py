@@ -1,0 +1,257 @@
+"""The engine-agnostic connector core: lookup, load and save of prefix blocks between an engine's
+paged KV cache and the kvtier daemon (DESIGN.md §5).
+
+::
+
+    engine                     KVConnectorCore                            kvtierd
+    block_hashes(tokens) ───►  ns.block_keys
+    lookup(hashes)       ───►  one lookup ────────────────────────────►  leading hits
+    load(hashes, pages)  ───►  load (shm) → decode_block(layout) → scatter into pages
+    save(hashes, pages)  ───►  lookup (skip stored) → gather pages → encode_block → save (shm)
+
+A daemon that is down, silent or restarting never fails the engine: within ``timeout_s`` lookup
+answers 0, load stops (the engine recomputes the rest) and save stores nothing; the client
+reconnects on a later call. Wrong KV is never written: records are verified by the client and
+every decoded block must have the namespace's geometry and dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtier_protocol.errors import InvalidRequest
+from kvtier_protocol.keys import ExtraKeys
+from kvtier_protocol.namespace import Namespace
+from kvtier_protocol.wire_checks import PRIORITY_MAX, PRIORITY_MIN
+
+from kvtier.client import Client, ClientOptions
+from kvtier.client.records import check_hashes
+from kvtier.config_sources import default_data_dir, default_socket
+from kvtier.connector.blocks import expected_shape, token_info
+from kvtier.connector.jobs import JobResult, JobRunner
+from kvtier.connector.pages import check_caches, gather_blocks, get_page_layout, host_views, page_index
+from kvtier.connector.stats import ConnectorStats
+from kvtier.connector.transfer import Outcome, Transfer
+
+
+def check_priority(priority: int) -> None:
+    """Raise InvalidRequest unless ``priority`` is an eviction priority (-128..127)."""
+    if type(priority) is not int or not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+        raise InvalidRequest(f"priority must be an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}], got {priority!r}")
+
+
+def default_address(env: dict[str, str] | None = None) -> str:
+    """The daemon's socket as the daemon itself defaults it: ``$KVTIER_SOCKET``, else
+    ``$XDG_RUNTIME_DIR/kvtier/kvtier.sock``, ``/run/kvtier/kvtier.sock`` or ``<data dir>/kvtier.sock``."""
+    env = dict(os.environ) if env is None else env
+    return env.get("KVTIER_SOCKET") or default_socket(env, env.get("KVTIER_DATA_DIR") or default_data_dir(env))
+
+
+class KVConnectorCore:
+    """Prefix blocks of one namespace between an engine's paged KV caches and the daemon.
+
+    Args:
+        ns: the namespace of the engine's KV (see :func:`namespace_for_checkpoint`).
+        address: the daemon (``"unix:/path"`` for the shared-memory path, ``"tcp://host:port"``);
+            None: :func:`default_address`. Ignored when ``client`` is given.
+        client: a client to use, also by background jobs (not closed by :meth:`close`); None: the
+            core makes two, one for the engine's calls and one for its jobs.
+        codec: how blocks are stored (``"raw"``, ``"int8"``, ``"int4"``, ...); None keeps the
+            namespace's ``kv_codec``. Another codec is another namespace (:attr:`ns` is updated).
+        page_layout: the engine's page layout, a key of :data:`kvtier.connector.pages.PAGE_LAYOUTS`.
+        timeout_s: bound on each daemon call, reconnects and retries included.
+        token: the daemon's token (TCP).
+
+    Raises:
+        LayoutError: the page layout does not fit the namespace.
+        InvalidRequest: a malformed address or option. Never because the daemon is down.
+    """
+
+    def __init__(self, ns: Namespace, *, address: str | None = None, client: Client | None = None,
+                 codec: str | None = None, page_layout: str = "vllm-flash", timeout_s: float = 2.0,
+                 token: str | None = None) -> None:
+        if codec is not None and codec != ns.kv_codec:
+            ns = dataclasses.replace(ns, kv_codec=codec)
+        self.ns = ns
+        self.page_layout = get_page_layout(page_layout)
+        self.block_shape = self.page_layout.block_shape(ns)  # raises LayoutError on a misfit
+        self.timeout_s = timeout_s
+        self.stats = ConnectorStats()
+        self._owns_client = client is None
+        if client is None:
+            options = ClientOptions(token=token, timeout_s=timeout_s, connect_timeout_s=min(timeout_s, 2.0),
+                                    client_name="kvtier.connector")
+            client = Client(address or default_address(), options)
+            # Jobs get a connection of their own, so that a lookup of the engine's next request
+            # never queues behind a background save (a client runs one call at a time).
+            self._job_client = Client(client.address, options)
+        else:
+            self._job_client = client
+        self.client = client
+        self._transfer = Transfer(ns, client, self.stats)
+        self._job_transfer = Transfer(ns, self._job_client, self.stats)
+        self._caches: list[torch.Tensor] | None = None
+        self._views: list[np.ndarray] | None = None  # byte views of CPU caches, for raw records
+        self._num_pages = 0
+        self._jobs = JobRunner(1)
+
+    # -- engine side ---------------------------------------------------------------------------
+
+    def bind_kv_caches(self, caches: Sequence[torch.Tensor]) -> None:
+        """Use these per-layer caches (``page_layout``'s shape, the namespace's dtype) from now on.
+
+        Raises:
+            LayoutError: wrong layer count, shape, dtype or mixed devices.
+        """
+        caches = list(caches)
+        self._num_pages = check_caches(caches, self.page_layout, self.ns)
+        self._caches = caches
+        self._views = host_views(caches)
+
+    def block_hashes(self, token_ids: Sequence[int], extras: ExtraKeys | None = None) -> list[bytes]:
+        """Chain hashes of the full blocks of ``token_ids`` (from position 0) in this namespace."""
+        return self.ns.block_keys(token_ids, extras)
+
+    def lookup(self, hashes: Sequence[bytes]) -> int:
+        """How many of ``hashes``, from the first, the daemon holds; 0 when it is down or slow."""
+        return self._transfer.lookup(check_hashes(hashes))
+
+    def load(self, hashes: Sequence[bytes], page_ids: Sequence[int]) -> int:
+        """Load blocks ``hashes`` into pages ``page_ids`` (pairwise), in order from the first.
+
+        Returns:
+            Blocks written, consecutive from the first: fewer than asked at the first miss, bad
+            block or daemon failure; the engine recomputes the rest.
+
+        Raises:
+            InvalidRequest: no caches bound, lengths differ, a page id out of range or repeated.
+        """
+        keys, index = check_hashes(hashes), self._index(hashes, page_ids)
+        return self._transfer.load(keys, self._bound(), self._views, index, self.page_layout, self.block_shape)[0]
+
+    def save(self, hashes: Sequence[bytes], page_ids: Sequence[int], *, token_ids: Sequence[int] | None = None,
+             parent: bytes | None = None, priority: int = 0) -> int:
+        """Store the full blocks in pages ``page_ids`` under ``hashes``; blocks already stored are skipped.
+
+        Args:
+            hashes: chain hashes of consecutive blocks, from the request's first block (or the
+                block after ``parent``).
+            page_ids: the page holding each block.
+            token_ids: optionally, the tokens from the first block on (for the daemon's KV events).
+            parent: chain hash of the block before ``hashes[0]``; None: ``hashes`` start the chain.
+            priority: eviction priority, -128..127 (higher is kept longer; e.g. system prompts).
+
+        Returns:
+            Blocks newly stored (0 when the daemon is down, slow or full).
+
+        Raises:
+            InvalidRequest: no caches bound, lengths differ, bad page ids, too few token ids.
+        """
+        keys, index, caches = check_hashes(hashes), self._index(hashes, page_ids), self._bound()
+        check_priority(priority)
+        return self._transfer.put(keys, lambda lo, hi: gather_blocks(caches, index[lo:hi], self.page_layout),
+                                  self.page_layout.block_layout, token_ids, parent, priority)[0]
+
+    # -- tensors (engines without pages, e.g. HF transformers) ---------------------------------
+
+    def fetch(self, hashes: Sequence[bytes], *, layout: str | None = None, device: Any = "cpu") -> list[torch.Tensor]:
+        """Block tensors of the stored prefix of ``hashes`` in ``layout`` on ``device`` (shorter on a
+        miss, bad block or daemon failure; empty when the daemon is down).
+
+        Args:
+            layout: a kvtier layout; None: the canonical one (``canonical`` ``[L, 2, H, T, D]``,
+                or ``mla-latent`` ``[L, T, C]`` for MLA).
+
+        Raises:
+            LayoutError: an unknown layout, or one of the other attention kind.
+        """
+        layout = layout or ("mla-latent" if self.ns.attention == "mla" else "canonical")
+        return self._transfer.fetch(check_hashes(hashes), layout, expected_shape(self.ns, layout), device)
+
+    def store(self, hashes: Sequence[bytes], tensors: Sequence[torch.Tensor], *, layout: str,
+              token_ids: Sequence[int] | None = None, parent: bytes | None = None, priority: int = 0) -> int:
+        """Store block tensors (in ``layout``, any device) under ``hashes``, as :meth:`save` does pages.
+
+        Raises:
+            InvalidRequest: the lengths differ, too few token ids.
+            LayoutError: a layout of the other attention kind.
+        """
+        if len(tensors) != len(hashes):
+            raise InvalidRequest(f"{len(tensors)} tensors for {len(hashes)} hashes")
+        expected_shape(self.ns, layout)
+        check_priority(priority)
+        return self._transfer.put(check_hashes(hashes), lambda lo, hi: tensors[lo:hi], layout, token_ids, parent,
+                                  priority)[0]
+
+    # -- asynchronous variants -------------------------------------------------------------------
+
+    def submit_load(self, hashes: Sequence[bytes], page_ids: Sequence[int]) -> int:
+        """:meth:`load` on the connector's worker thread; returns a job id for :meth:`poll`/:meth:`wait`.
+
+        The engine must not read or reuse the pages until the job is reported.
+        """
+        keys, index = check_hashes(hashes), self._index(hashes, page_ids)
+        caches, views = self._bound(), self._views  # the pages bound now, even if the engine rebinds
+        return self._jobs.submit(lambda job: self._result(job, len(keys), self._job_transfer.load(
+            keys, caches, views, index, self.page_layout, self.block_shape)))
+
+    def submit_save(self, hashes: Sequence[bytes], page_ids: Sequence[int], *,
+                    token_ids: Sequence[int] | None = None, parent: bytes | None = None, priority: int = 0) -> int:
+        """:meth:`save` on the worker thread; the pages are copied now (on their device), so the
+        engine may reuse them as soon as this returns."""
+        keys, index = check_hashes(hashes), self._index(hashes, page_ids)
+        check_priority(priority)
+        snapshot = gather_blocks(self._bound(), index, self.page_layout)
+        token_info(self.ns, keys, token_ids, parent)  # raise too-few-tokens now, not in the worker
+        tokens = None if token_ids is None else list(token_ids)
+
+        def work(job: int) -> JobResult:
+            outcome = self._job_transfer.put(keys, lambda lo, hi: snapshot[lo:hi], self.page_layout.block_layout,
+                                             tokens, parent, priority)
+            return JobResult(job, outcome[1] is None, outcome[0], outcome[1])
+        return self._jobs.submit(work)
+
+    def poll(self) -> list[JobResult]:
+        """Jobs finished since the last poll (each reported once); never blocks."""
+        return self._jobs.poll()
+
+    def wait(self, job: int, timeout_s: float | None = None) -> JobResult:
+        """Block until ``job`` finishes; see :meth:`JobRunner.wait`."""
+        return self._jobs.wait(job, timeout_s)
+
+    def close(self) -> None:
+        """Finish the running job, drop queued ones, and close the client if this core made it."""
+        self._jobs.close(wait=True)
+        if self._owns_client:
+            self.client.close()
+            self._job_client.close()
+
+    def __enter__(self) -> KVConnectorCore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals ---------------------------------------------------------------------------------
+
+    def _bound(self) -> list[torch.Tensor]:
+        if self._caches is None:
+            raise InvalidRequest("bind_kv_caches() first: the connector has no KV caches")
+        return self._caches
+
+    def _index(self, hashes: Sequence[bytes], page_ids: Sequence[int]) -> torch.Tensor:
+        caches = self._bound()
+        if len(hashes) != len(page_ids):
+            raise InvalidRequest(f"{len(hashes)} hashes for {len(page_ids)} page ids")
+        return page_index(page_ids, self._num_pages, caches[0].device)
+
+    @staticmethod
+    def _result(job: int, wanted: int, outcome: Outcome) -> JobResult:
+        count, error = outcome
+        return JobResult(job, error is None and count == wanted, count, error)

@@ -1,0 +1,197 @@
+"""Block transfers of the connector core: every daemon call it makes, and how each failure degrades.
+
+A :class:`Transfer` turns the client's errors into outcomes: ``(blocks done, why it fell short)``.
+An unavailable daemon (down, silent, restarting, refusing) is logged once per outage, not once
+per request; a bad record stops a load at that block, so an engine recomputes from there and
+never reads wrong KV.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtier_protocol.errors import KVTierError, Unavailable
+from kvtier_protocol.namespace import Namespace
+
+from kvtier.client import Client
+from kvtier.connector.blocks import decode_record, encode_records, kv_dtype, raw_payload, token_info
+from kvtier.connector.pages import PageLayout, scatter_blocks, write_page_bytes
+from kvtier.connector.stats import ConnectorStats
+
+log = logging.getLogger("kvtier.connector")
+
+MAX_BATCH_BYTES = 256 << 20
+"""Raw KV bytes moved per client call: bounds the records held in memory at once."""
+
+Outcome = tuple[int, str | None]
+"""``(blocks loaded or newly stored, why the call fell short or None)``."""
+
+BlocksOf = Callable[[int, int], Any]
+"""``blocks_of(lo, hi)``: block tensors ``lo..hi-1`` of a save (a stacked tensor or a sequence)."""
+
+
+class Transfer:
+    """Lookups, loads and saves of one namespace through one client.
+
+    Args:
+        ns: the namespace (its codec encodes saved blocks).
+        client: the daemon client; its ``timeout_s`` bounds every call.
+        stats: counters to add to.
+    """
+
+    def __init__(self, ns: Namespace, client: Client, stats: ConnectorStats) -> None:
+        self.ns = ns
+        self.client = client
+        self.stats = stats
+        self.batch_blocks = max(1, MAX_BATCH_BYTES // ns.block_payload_bytes())
+        self._ns_fields = ns.to_wire()
+        self._down = False
+        self._lock = threading.Lock()
+
+    def lookup(self, hashes: list[bytes]) -> int:
+        """Leading stored blocks of ``hashes``; 0 when the daemon fails."""
+        if not hashes:
+            return 0
+        try:
+            hits = self.client.lookup(self.ns.ns_id, hashes, degrade=False).num_hits
+        except KVTierError as exc:
+            self._failed("lookup", exc)
+            return 0
+        self._ok()
+        self.stats.add(lookups=1, lookup_hits=hits)
+        return hits
+
+    def load(self, hashes: list[bytes], caches: Sequence[torch.Tensor], views: list[np.ndarray] | None,
+             index: torch.Tensor, layout: PageLayout, shape: tuple[int, ...]) -> Outcome:
+        """Load ``hashes`` into the pages of ``index``, in order, stopping at the first miss or bad block.
+
+        Raw records of the pages' own layout go straight from the record into CPU pages through
+        ``views``; the others are decoded (codec, layout) and scattered in one batch per call.
+        """
+        dtype = kv_dtype(self.ns)
+        # Raw blocks are host bytes anyway: decode on the host, then one transfer per batch.
+        device = "cpu" if self.ns.kv_codec == "raw" else caches[0].device
+        pages = index.tolist()
+        loaded, error = 0, None
+        for lo in range(0, len(hashes), self.batch_blocks):
+            chunk = hashes[lo:lo + self.batch_blocks]
+            records, error = self._records(chunk)
+            if error is None and len(records) < len(chunk):
+                error = f"miss at block {lo + len(records)} of {len(hashes)}"
+            decoded: list[torch.Tensor] = []
+            at: list[int] = []
+            for i, record in enumerate(records):
+                payload = None if views is None else raw_payload(
+                    record, layout=layout.block_layout, shape=shape, dtype=self.ns.kv_dtype)
+                if payload is not None:
+                    write_page_bytes(views, pages[lo + i], payload, layout)
+                    continue
+                block, why = decode_record(record, layout=layout.block_layout, shape=shape, dtype=dtype, device=device)
+                if block is None:
+                    error = _bad_block(lo + i, why)
+                    records = records[:i]
+                    break
+                decoded.append(block)
+                at.append(lo + i)
+            if decoded:
+                scatter_blocks(caches, index[at], torch.stack(decoded), layout)
+            loaded += len(records)
+            if error is not None:
+                break
+        self.stats.add(loaded_blocks=loaded)
+        return loaded, error
+
+    def fetch(self, hashes: list[bytes], layout: str, shape: tuple[int, ...], device: Any) -> list[torch.Tensor]:
+        """Decoded blocks of the stored prefix of ``hashes`` in ``layout``, up to the first miss or bad block."""
+        dtype = kv_dtype(self.ns)
+        out: list[torch.Tensor] = []
+        for lo in range(0, len(hashes), self.batch_blocks):
+            chunk = hashes[lo:lo + self.batch_blocks]
+            records, error = self._records(chunk)
+            for i, record in enumerate(records):
+                block, why = decode_record(record, layout=layout, shape=shape, dtype=dtype, device=device)
+                if block is None:
+                    error = _bad_block(lo + i, why)
+                    break
+                out.append(block)
+            if error is not None or len(records) < len(chunk):
+                break
+        self.stats.add(loaded_blocks=len(out))
+        return out
+
+    def put(self, hashes: list[bytes], blocks_of: BlocksOf, layout: str, token_ids: Sequence[int] | None,
+            parent: bytes | None, priority: int) -> Outcome:
+        """Store blocks under ``hashes`` (a chain after ``parent``), skipping the stored prefix.
+
+        Raises:
+            InvalidRequest: too few ``token_ids`` for the blocks.
+        """
+        if not hashes:
+            return 0, None
+        tokens, units = token_info(self.ns, hashes, token_ids, parent)
+        try:  # skip the stored prefix before copying anything out of the pages
+            first = self.client.lookup(self.ns.ns_id, hashes, degrade=False).num_hits
+        except KVTierError as exc:
+            return 0, self._failed("save", exc)
+        stored, skipped, error = 0, first, None
+        for lo in range(first, len(hashes), self.batch_blocks):
+            hi = min(len(hashes), lo + self.batch_blocks)
+            try:
+                blocks = blocks_of(lo, hi)
+                if isinstance(blocks, torch.Tensor) and self.ns.kv_codec == "raw":
+                    blocks = blocks.cpu()  # one device-to-host copy for the batch
+                records = encode_records(self.ns, hashes[lo:hi], blocks, layout=layout,
+                                         parent=parent if lo == 0 else hashes[lo - 1], ns_fields=self._ns_fields)
+                results = self.client.save(self.ns.ns_id, records, tokens=None if tokens is None else tokens[lo:hi],
+                                           unit_hashes=None if units is None else units[lo:hi], priority=priority)
+            except KVTierError as exc:
+                error = self._failed("save", exc)
+                break
+            stored += results.count("stored")
+            skipped += results.count("exists")
+            if "full" in results:
+                error = f"daemon full: {results.count('full')} of {hi - lo} blocks not stored"
+        else:
+            self._ok()
+        self.stats.add(saved_blocks=stored, skipped_blocks=skipped)
+        return stored, error
+
+    def _records(self, hashes: list[bytes]) -> tuple[list[bytes], str | None]:
+        """The stored prefix of ``hashes`` as verified records; ``[]`` and why, if the call failed."""
+        try:
+            records = self.client.load(self.ns.ns_id, hashes, degrade=False)
+        except KVTierError as exc:
+            return [], self._failed("load", exc)
+        self._ok()
+        return records, None
+
+    def _failed(self, op: str, exc: KVTierError) -> str:
+        """Count a failed daemon call; log an outage once (not once per request)."""
+        self.stats.add(failed_calls=1)
+        if not isinstance(exc, Unavailable):
+            log.warning("kvtier connector: %s failed (%s: %s); recomputing", op, exc.code, exc.message)
+            return f"{op} failed ({exc.code}: {exc.message})"
+        with self._lock:
+            first, self._down = not self._down, True
+        if first:
+            log.warning("kvtier daemon unavailable during %s (%s); recomputing until it is back", op, exc.message)
+        return f"daemon unavailable ({exc.message})"
+
+    def _ok(self) -> None:
+        if self._down:
+            with self._lock:
+                was, self._down = self._down, False
+            if was:
+                log.info("kvtier daemon available again")
+
+
+def _bad_block(i: int, why: str | None) -> str:
+    error = f"block {i} {why}"
+    log.warning("kvtier connector: %s; recomputing from there", error)
+    return error

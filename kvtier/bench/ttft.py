@@ -176,20 +176,21 @@ def _engine_rows(plan: _Plan, address: str) -> list[Row]:
             def hit() -> float:
                 kv.reset_prefix_cache()  # forget the pages: the prefix must come from kvtier
                 t, out = timed(kv, "hit")
-                assert out.loaded_tokens == stored, f"engine hit loaded {out.loaded_tokens} of {stored} tokens"
+                _expect(out.loaded_tokens == stored, f"engine hit loaded {out.loaded_tokens} of {stored} tokens")
                 logits["hit"].append(out.first_logits)
                 return t
 
             def full() -> float:  # the k-th full prefill answers the k-th hit's prompt: comparable logits
                 plain.reset_prefix_cache()
                 t, out = timed(plain, "full")
-                assert out.prefix_hit_tokens == 0
+                _expect(out.prefix_hit_tokens == 0, f"engine prefill reused {out.prefix_hit_tokens} tokens")
                 logits["full"].append(out.first_logits)
                 return t
 
             def resident() -> float:  # the hit before it left the prefix in the engine's pages
                 t, out = timed(kv, "resident")
-                assert out.loaded_tokens == 0 and out.prefix_hit_tokens == stored
+                _expect(out.loaded_tokens == 0 and out.prefix_hit_tokens == stored,
+                        f"resident run: {out.prefix_hit_tokens} reused, {out.loaded_tokens} loaded of {stored}")
                 return t
 
             _two_rows(rows, plan, "engine", length, hit, full, "engine prefill (no kvtier)", resident,
@@ -239,7 +240,7 @@ def _hf_rows(plan: _Plan, address: str) -> list[Row]:
                 progress(f"ttft: hf {length}: computing and storing the {stored}-token prefix")
                 save_prefix(core, prefix, forward(prefix)[1])
             kept, n = load_prefix(core, prompt, dtype=plan.dtype, config=model.config)
-            assert kept is not None and n == stored, f"hf loaded {n} of {stored} tokens"
+            _expect(kept is not None and n == stored, f"hf loaded {n} of {stored} tokens")
             layers = [(layer.keys, layer.values) for layer in kept.layers]
             logits: dict[str, list[torch.Tensor]] = {"hit": [], "full": []}
 
@@ -248,7 +249,7 @@ def _hf_rows(plan: _Plan, address: str) -> list[Row]:
                 cache, n = load_prefix(core, prompt, dtype=plan.dtype, config=model.config)
                 out = forward(prompt[n:], cache)[0]
                 t = (time.perf_counter() - t0) * 1e3
-                assert n == stored, f"hf loaded {n} of {stored} tokens"
+                _expect(n == stored, f"hf loaded {n} of {stored} tokens")
                 logits["hit"].append(out)
                 return t
 
@@ -286,6 +287,12 @@ def _two_rows(rows: list[Row], plan: _Plan, engine: str, length: int, hit: Fn, f
     for r in rows[-2:]:
         progress(f"ttft: {r.case} {r.metric}: {r.kvtier:.1f} ms vs {r.baseline_name} {r.baseline:.1f} ms "
                  f"-> {r.ratio:.2f}x")
+
+
+def _expect(ok: bool, what: str) -> None:
+    """A figure is only meaningful if each run did what its row says (a hit loaded the prefix)."""
+    if not ok:
+        raise RuntimeError(f"ttft: {what}")
 
 
 def _profiled(path: str, fn: Callable[[], object]) -> None:

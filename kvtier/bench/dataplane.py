@@ -26,13 +26,8 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 import random
-import re
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -40,8 +35,7 @@ from pathlib import Path
 
 import torch
 
-import kvtier
-import kvtier_protocol
+from kvtier.bench.daemon import BenchDaemon
 from kvtier.bench.report import (Row, Samples, SuiteResult, Timer, alternate, gbps, latency_row, progress,
                                  throughput_row)
 from kvtier.client import Client
@@ -53,8 +47,6 @@ MIB = 1 << 20
 NS = hashlib.sha256(b"kvtier bench dataplane").digest()[:16]
 LOOKUP_HASH_TOKENS = 256
 LOOKUP_PAYLOAD = 4096  # small blocks: the lookup rows measure the index walk, not memory
-_TCP = re.compile(r"listening tcp:(?P<host>[^\s:]+):(?P<port>\d+)")
-_READY = "kvtierd ready"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -88,7 +80,7 @@ def run(args: argparse.Namespace) -> SuiteResult:
     # Twice the working set (slack for the allocator's slabs as block sizes change) plus the lookup
     # blocks: nothing is ever evicted, so no row touches the disk tier.
     host_bytes = 2 * ws + max(sizes) + args.lookup_keys * (LOOKUP_PAYLOAD + 4096) + 64 * MIB
-    daemon = _Daemon(work, host_bytes, args.daemon_profile)
+    daemon = _daemon(work, host_bytes, args.daemon_profile)
     try:
         daemon.start()
         with Client.connect(f"unix:{daemon.socket}", timeout_s=60.0) as shm, \
@@ -109,61 +101,11 @@ def run(args: argparse.Namespace) -> SuiteResult:
 # --- the daemon --------------------------------------------------------------------------------
 
 
-class _Daemon:
-    """``kvtier serve`` as a subprocess; its log goes to ``work/daemon.log``."""
-
-    def __init__(self, work: Path, host_bytes: int, profile: str | None) -> None:
-        self.work = work
-        self.socket = str(work / "kvtier.sock")
-        self.log_path = work / "daemon.log"
-        self.host_bytes = host_bytes
-        self.profile = profile
-        self.tcp = ""
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, timeout_s: float = 60.0) -> None:
-        prefix = [sys.executable]
-        if self.profile:
-            prefix += ["-m", "cProfile", "-o", str(Path(self.profile).resolve())]
-        cmd = [*prefix, "-m", "kvtier", "serve", "--data-dir", str(self.work), "--socket", self.socket,
-               "--listen", "127.0.0.1:0", "--rest", "off", "--host-bytes", str(self.host_bytes),
-               "--disk-bytes", str(64 * MIB), "--token-file", str(self.work / "token"), "--log-level", "info"]
-        # The child imports the same kvtier and kvtier_protocol as this process, installed or not.
-        roots = [str(Path(m.__file__).resolve().parents[1]) for m in (kvtier, kvtier_protocol)]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([*roots, os.environ.get("PYTHONPATH", "")])}
-        progress(f"dataplane: starting the daemon (host tier {self.host_bytes // MIB} MiB) in {self.work}")
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            text = self.log_path.read_text(errors="replace")
-            m = _TCP.search(text)
-            if m and _READY in text:
-                self.tcp = f"tcp://{m['host']}:{m['port']}"
-                return
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the daemon exited with {self.proc.returncode}:\n{self.log_tail()}")
-            time.sleep(0.05)
-        raise RuntimeError(f"the daemon was not ready within {timeout_s:.0f} s:\n{self.log_tail()}")
-
-    def token(self) -> str:
-        return (self.work / "token").read_text().strip()
-
-    def log_tail(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:] if self.log_path.exists() else ""
-
-    def stop(self) -> None:
-        """SIGTERM and wait (the daemon drains and, under cProfile, writes its stats); SIGKILL if stuck."""
-        proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            progress("dataplane: the daemon did not stop within 30 s; killing it")
-            proc.kill()
-            proc.wait(10)
+def _daemon(work: Path, host_bytes: int, profile: str | None) -> BenchDaemon:
+    """The daemon under test: unix socket and TCP, no REST, a small disk tier."""
+    flags = ["--listen", "127.0.0.1:0", "--rest", "off", "--host-bytes", str(host_bytes),
+             "--disk-bytes", str(64 * MIB), "--token-file", str(work / "token")]
+    return BenchDaemon(work, flags, suite="dataplane", profile=profile)
 
 
 # --- blocks ------------------------------------------------------------------------------------

@@ -28,12 +28,8 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import os
 import pstats
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -42,8 +38,7 @@ from pathlib import Path
 
 import torch
 
-import kvtier
-import kvtier_protocol
+from kvtier.bench.daemon import BenchDaemon
 from kvtier.bench.report import Row, SuiteResult, alternate, latency_row, progress
 from kvtier.connector import KVConnectorCore, namespace_for_checkpoint
 from kvtier.connector.hf_cache import cache_argument, load_prefix, save_prefix
@@ -97,7 +92,8 @@ def run(args: argparse.Namespace) -> SuiteResult:
         # Every prefix, plus the suffix blocks each engine hit saves after its first token.
         blocks = sum(n + 4 * reps * suffix for n in lengths) // ns.block_tokens
         stored = blocks * ns.block_payload_bytes()
-        daemon = _Daemon(work, host_bytes=max(256 * MIB, 2 * stored))
+        flags = ["--rest", "off", "--host-bytes", str(max(256 * MIB, 2 * stored)), "--disk-bytes", "0"]
+        daemon = BenchDaemon(work, flags, suite="ttft")
         daemon.start()
         try:
             result = SuiteResult("ttft")
@@ -302,56 +298,6 @@ def _profiled(path: str, fn: Callable[[], object]) -> None:
     out = io.StringIO()
     pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(15)
     progress(f"ttft: profile of one hit -> {path}\n{out.getvalue()}")
-
-
-# --- the daemon ----------------------------------------------------------------------------------
-
-
-class _Daemon:
-    """``kvtier serve`` on a unix socket in ``work`` (REST off, no disk tier); log in ``work/daemon.log``."""
-
-    def __init__(self, work: Path, *, host_bytes: int) -> None:
-        self.work, self.host_bytes = work, host_bytes
-        self.address = f"unix:{work / 'kvtier.sock'}"
-        self.log_path = work / "daemon.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, timeout_s: float = 60.0) -> None:
-        cmd = [sys.executable, "-m", "kvtier", "serve", "--data-dir", str(self.work), "--socket",
-               str(self.work / "kvtier.sock"), "--rest", "off", "--host-bytes", str(self.host_bytes),
-               "--disk-bytes", "0", "--log-level", "info"]
-        # The child imports the same kvtier and kvtier_protocol as this process, installed or not.
-        roots = [str(Path(m.__file__).resolve().parents[1]) for m in (kvtier, kvtier_protocol)]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-        env["PYTHONPATH"] = os.pathsep.join([*roots, os.environ.get("PYTHONPATH", "")])
-        progress(f"ttft: starting the daemon (host tier {self.host_bytes // MIB} MiB, no disk tier)")
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if "kvtierd ready" in self.log_path.read_text(errors="replace"):
-                return
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the daemon exited with {self.proc.returncode}:\n{self._tail()}")
-            time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"the daemon was not ready within {timeout_s:.0f} s:\n{self._tail()}")
-
-    def _tail(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:] if self.log_path.exists() else ""
-
-    def stop(self) -> None:
-        """SIGTERM and wait (the daemon drains and unlinks its shared memory); SIGKILL if stuck."""
-        proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            progress("ttft: the daemon did not stop within 30 s; killing it")
-            proc.kill()
-            proc.wait(10)
 
 
 __all__ = ["DESCRIPTION", "add_arguments", "run"]

@@ -64,7 +64,7 @@ def test_quick_dataplane_bench_writes_json(registered: Path, tmp_path: Path) -> 
 
 
 def test_daemon_that_cannot_start_is_reported_with_its_log(tmp_path: Path) -> None:
-    daemon = dataplane._Daemon(tmp_path, host_bytes=0, profile=None)  # no host tier: serve refuses
+    daemon = dataplane._daemon(tmp_path, host_bytes=0, profile=None)  # no host tier: serve refuses
     try:
         with pytest.raises(RuntimeError, match="exited with") as info:
             daemon.start(timeout_s=60)

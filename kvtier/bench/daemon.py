@@ -1,0 +1,91 @@
+"""`kvtier serve` as a subprocess for the benchmark suites that measure through a real daemon."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import kvtier
+import kvtier_protocol
+from kvtier.bench.report import progress
+
+_TCP = re.compile(r"listening tcp:(?P<host>[^\s:]+):(?P<port>\d+)")
+_READY = "kvtierd ready"
+
+
+class BenchDaemon:
+    """``kvtier serve`` with its data dir, socket and log (``daemon.log``) in ``work``.
+
+    Args:
+        work: a private directory for this daemon.
+        flags: extra ``kvtier serve`` flags (tier sizes, ``--listen``, ``--rest`` ...).
+        suite: the suite's name, for progress lines.
+        profile: run the daemon under cProfile, writing its stats here at exit.
+    """
+
+    def __init__(self, work: Path, flags: Sequence[str], *, suite: str, profile: str | None = None) -> None:
+        self.work = work
+        self.flags = list(flags)
+        self.suite = suite
+        self.profile = profile
+        self.socket = str(work / "kvtier.sock")
+        self.address = f"unix:{self.socket}"
+        self.tcp = ""  # "tcp://HOST:PORT" once started, when --listen was given
+        self.log_path = work / "daemon.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 60.0) -> None:
+        """Start it and wait for its ready line; RuntimeError with its log if it exits or stalls."""
+        prefix = [sys.executable]
+        if self.profile:
+            prefix += ["-m", "cProfile", "-o", str(Path(self.profile).resolve())]
+        cmd = [*prefix, "-m", "kvtier", "serve", "--data-dir", str(self.work), "--socket", self.socket,
+               "--log-level", "info", *self.flags]
+        # The child imports the same kvtier and kvtier_protocol as this process, installed or not,
+        # and none of the caller's KVTIER_* settings (the bench fixes every one it needs).
+        roots = [str(Path(m.__file__).resolve().parents[1]) for m in (kvtier, kvtier_protocol)]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+        env["PYTHONPATH"] = os.pathsep.join([*roots, os.environ.get("PYTHONPATH", "")])
+        progress(f"{self.suite}: starting the daemon in {self.work}: {' '.join(self.flags)}")
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=env)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            text = self.log_path.read_text(errors="replace")
+            if _READY in text:
+                m = _TCP.search(text)
+                self.tcp = f"tcp://{m['host']}:{m['port']}" if m else ""
+                return
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the daemon exited with {self.proc.returncode}:\n{self.log_tail()}")
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"the daemon was not ready within {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def token(self) -> str:
+        """The token the daemon generated into its data dir (needed over TCP)."""
+        return (self.work / "token").read_text().strip()
+
+    def log_tail(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:] if self.log_path.exists() else ""
+
+    def stop(self) -> None:
+        """SIGTERM and wait (it drains, unlinks its shared memory and, under cProfile, writes its
+        stats); SIGKILL if stuck. Idempotent."""
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            progress(f"{self.suite}: the daemon did not stop within 30 s; killing it")
+            proc.kill()
+            proc.wait(10)

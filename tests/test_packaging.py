@@ -28,6 +28,7 @@ LIGHT_MODULES = [
     "kvtier.store.policy",
     "kvtier.store.lease",
     "kvtier.store.allocator",
+    "kvtier.store.pooled",
     "kvtier.store.stats",
 ]
 HEAVY = ("torch", "aiohttp", "rocksdict")

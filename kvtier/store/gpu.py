@@ -12,13 +12,14 @@ import torch
 
 from kvtier_protocol.errors import InvalidRequest
 
-from kvtier.store.allocator import AllocatorStats, SlabAllocator
+from kvtier.store.allocator import SlabAllocator
+from kvtier.store.pooled import SlabBackedTier
 from kvtier.store.types import Slot
 
 GIB = 1 << 30
 
 
-class GpuTier:
+class GpuTier(SlabBackedTier):
     """Blocks in device memory.
 
     Args:
@@ -40,18 +41,6 @@ class GpuTier:
         self.device = torch.device(device)
         self._pools = [torch.empty(size, dtype=torch.uint8, device=self.device) for size in self._alloc.segment_sizes]
 
-    def allocate(self, nbytes: int) -> Slot | None:
-        """A slot of ``nbytes``, or None when the tier has no room now.
-
-        Raises:
-            CapacityError: the block can never fit in a segment.
-        """
-        return self._alloc.allocate(nbytes)
-
-    def free(self, slot: Slot) -> None:
-        """Return a slot. Raises InvalidRequest for a slot that is not allocated."""
-        self._alloc.free(slot)
-
     def tensor(self, slot: Slot) -> torch.Tensor:
         """A 1-D uint8 view of the slot's bytes on the device (shares memory)."""
         if not self._pools:
@@ -68,29 +57,6 @@ class GpuTier:
     def copy_out(self, slot: Slot, dst: torch.Tensor) -> None:
         """Copy the slot into ``dst`` (any dtype and device, contiguous, exactly ``slot.length`` bytes)."""
         _as_bytes(dst, slot.length).copy_(self.tensor(slot), non_blocking=True)
-
-    @property
-    def capacity(self) -> int:
-        return self._alloc.capacity
-
-    @property
-    def allocated_bytes(self) -> int:
-        return self._alloc.allocated_bytes
-
-    @property
-    def free_bytes(self) -> int:
-        return self._alloc.free_bytes
-
-    @property
-    def stats(self) -> AllocatorStats:
-        return self._alloc.stats()
-
-    def can_ever_fit(self, nbytes: int) -> bool:
-        return self._alloc.can_ever_fit(nbytes)
-
-    @property
-    def allocator(self) -> SlabAllocator:
-        return self._alloc
 
     def close(self) -> None:
         """Drop the pools (their memory returns to torch's caching allocator). Idempotent."""

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING
 from kvtier_protocol.errors import InvalidRequest, KVTierError, StorageError
 
 from kvtier.store import shm
-from kvtier.store.allocator import AllocatorStats, SlabAllocator
+from kvtier.store.allocator import SlabAllocator
+from kvtier.store.pooled import SlabBackedTier
 from kvtier.store.types import Slot
 
 if TYPE_CHECKING:
@@ -83,7 +84,7 @@ class _Resources:
         self.names.clear()
 
 
-class HostTier:
+class HostTier(SlabBackedTier):
     """Shared host memory for blocks: segments in /dev/shm, slots handed out by a slab allocator.
 
     Args:
@@ -136,18 +137,6 @@ class HostTier:
 
     # --- slots ---------------------------------------------------------------------------------
 
-    def allocate(self, nbytes: int) -> Slot | None:
-        """A slot of ``nbytes``, or None when the tier has no room now.
-
-        Raises:
-            CapacityError: the block can never fit in a segment.
-        """
-        return self._alloc.allocate(nbytes)
-
-    def free(self, slot: Slot) -> None:
-        """Return a slot. Raises InvalidRequest for a slot that is not allocated."""
-        self._alloc.free(slot)
-
     def view(self, slot: Slot) -> memoryview:
         """A writable, zero-copy view of exactly the slot's bytes.
 
@@ -176,38 +165,14 @@ class HostTier:
         return [SegmentInfo(i, n, s, fd) for i, (n, s, fd) in enumerate(zip(self._res.names, self._sizes, self._res.fds))]
 
     @property
-    def capacity(self) -> int:
-        return self._alloc.capacity
-
-    @property
     def segment_bytes(self) -> int:
         """The largest segment: no block larger than this can ever be stored."""
         return max(self._sizes)
 
     @property
-    def allocated_bytes(self) -> int:
-        return self._alloc.allocated_bytes
-
-    @property
-    def free_bytes(self) -> int:
-        return self._alloc.free_bytes
-
-    @property
     def pinned(self) -> bool:
         """Whether every segment is registered with CUDA."""
         return self.pin_done.is_set() and len(self._res.pinned) == len(self._sizes)
-
-    @property
-    def stats(self) -> AllocatorStats:
-        return self._alloc.stats()
-
-    def can_ever_fit(self, nbytes: int) -> bool:
-        return self._alloc.can_ever_fit(nbytes)
-
-    @property
-    def allocator(self) -> SlabAllocator:
-        """The allocator (for audits: ``allocator.check()``)."""
-        return self._alloc
 
     # --- lifecycle -----------------------------------------------------------------------------
 

@@ -172,10 +172,7 @@ class TieredStore:
         keys = check.check_keys(self.config, ns_id, hashes)
         self.reclaim_expired()
         metas = self.index.lookup(keys)
-        c = self._counters
-        c.lookups += 1
-        c.lookup_keys += len(keys)
-        c.lookup_hits += len(metas)
+        self._count_lookup(len(keys), len(metas))
         return LookupResult(len(metas), [m.fastest_tier for m in metas])
 
     def lookup_names(self, ns_id: bytes, hashes: Sequence[bytes]) -> tuple[int, list[str]]:
@@ -188,11 +185,14 @@ class TieredStore:
         keys = check.check_keys(self.config, ns_id, hashes)
         self.reclaim_expired()
         names = self.index.lookup_names(keys)
+        self._count_lookup(len(keys), len(names))
+        return len(names), names
+
+    def _count_lookup(self, num_keys: int, num_hits: int) -> None:
         c = self._counters
         c.lookups += 1
-        c.lookup_keys += len(keys)
-        c.lookup_hits += len(names)
-        return len(names), names
+        c.lookup_keys += num_keys
+        c.lookup_hits += num_hits
 
     async def acquire(self, ns_id: bytes, hashes: Sequence[bytes], *, lease_s: float | None = None,
                       tier: Tier = Tier.HOST) -> Acquired:

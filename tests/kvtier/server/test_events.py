@@ -294,6 +294,12 @@ async def test_publish_never_blocks_without_or_with_a_stuck_subscriber(hubs, zct
 
     for _ in range(50):  # no subscriber yet
         publish()
+    # Let the sender thread hand those 50 to PUB (which drops them: nobody listens) before the
+    # subscriber arrives; otherwise a batch still queued would reach it.
+    deadline = time.monotonic() + 10
+    while hub.zmq_stats.batches_sent + hub.zmq_stats.send_dropped < 50 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert hub.zmq_stats.batches_sent + hub.zmq_stats.send_dropped == 50
     stuck.setsockopt(zmq.SUBSCRIBE, b"")
     stuck.connect(hub.endpoints[0])  # connected, never reads: ~2 MB more than the socket buffers
     assert not stuck.poll(100)

@@ -21,4 +21,13 @@ SUITES: dict[str, tuple[str, str]] = {
                   "daemon data plane: put/get over shared memory and TCP vs torch copy_; lookup p50/p99 vs ping"),
     "ttft": ("kvtier.bench.ttft",
              "time to first token on a prefix hit vs full prefill (reference engine and HF)"),
+    "peers": ("kvtier.bench.peers",
+              "save/load workload through kvtier (shm, TCP) vs Redis and LMCache, several clients"),
+    "lookup": ("kvtier.bench.lookup",
+               "longest-prefix lookup latency for 1K-128K-token prompts; flat with 1K-1M blocks stored"),
+    "events": ("kvtier.bench.events", "KV events published and received per second"),
+    "gpu": ("kvtier.bench.gpu", "pinned host<->device copies through the connector vs raw cudaMemcpy (CUDA only)"),
+    "crash": ("kvtier.bench.crash", "SIGKILL the daemon under a durable writer; count recovered blocks"),
+    "soak": ("kvtier.bench.soak", "many clients of mixed lookup/save/load at full capacity: errors, RSS, leaks"),
+    "fuzz": ("kvtier.bench.fuzz", "feed every untrusted-input decoder random and mutated inputs"),
 }

@@ -9,8 +9,10 @@ it at any point::
 
     save, unix socket:  reserve(sizes) -> copy payloads into slots -> commit(headers)
     save, TCP:          put(records inline)
-    load, unix socket:  acquire -> copy records out, verify -> release (also after an error)
+    load, unix socket:  acquire -> copy records out, verify* -> release (also after an error)
     load, TCP:          get -> verify
+
+    * payloads the daemon reports it checked are not hashed again (``ClientOptions.verify``)
 """
 
 from __future__ import annotations
@@ -53,8 +55,9 @@ class Call:
 
 
 Flow: TypeAlias = Generator[Call, Any, T]
-TakeSlot: TypeAlias = Callable[[int, bytes, SlotRef, bytes], "T | None"]
-"""What a load does with one leased block: ``(index, key, slot, header) -> item | None``."""
+TakeSlot: TypeAlias = Callable[[int, bytes, SlotRef, bytes, bool], "T | None"]
+"""What a load does with one leased block: ``(index, key, slot, header, checked) -> item | None``;
+``checked``: the daemon checked the slot's payload and the session trusts that (no hashing needed)."""
 TakeRecord: TypeAlias = Callable[[int, bytes, memoryview], "T | None"]
 """What a load does with one record received inline: ``(index, key, record) -> item | None``."""
 
@@ -178,12 +181,12 @@ def load_flow(s: Session, ns_id: bytes, hashes: list[bytes]) -> Flow[list[bytes]
     if shm is None:
         return (yield from fetch_flow(s, ns_id, hashes,
                                       lambda i, key, record: verified_record(ns_id, key, record)))
-    return (yield from acquire_flow(s, ns_id, hashes, lambda i, key, slot, header: verified_record(
-        ns_id, key, shm.read_record(header, slot))))
+    return (yield from acquire_flow(s, ns_id, hashes, lambda i, key, slot, header, checked: verified_record(
+        ns_id, key, shm.read_record(header, slot), payload_checked=checked)))
 
 
 def acquire_flow(s: Session, ns_id: bytes, hashes: list[bytes], take: TakeSlot[T]) -> Flow[list[T]]:
-    """acquire → ``take(i, key, slot, header)`` per leased block (i: index in ``hashes``; None
+    """acquire → ``take(i, key, slot, header, checked)`` per leased block (i: index in ``hashes``; None
     ends the prefix: a miss) → release (also after an error). Unix socket only."""
     out: list[T] = []
     size = max(1, min(s.limits.max_batch, s.limits.max_header_len // ACQUIRE_HEADER_BUDGET))
@@ -194,8 +197,9 @@ def acquire_flow(s: Session, ns_id: bytes, hashes: list[bytes], take: TakeSlot[T
         found: list[T] = []
         try:
             _expect_len("acquire", r.slots, len(chunk))
-            for i, (key, slot, header) in enumerate(zip(chunk, r.slots, r.headers), pos):
-                item = None if slot is None else take(i, key, slot, header)
+            checked = r.verified if s.trust_checked and r.verified is not None else (False,) * len(chunk)
+            for i, (key, slot, header, ok) in enumerate(zip(chunk, r.slots, r.headers, checked), pos):
+                item = None if slot is None else take(i, key, slot, header, ok)
                 if item is None:
                     break
                 found.append(item)

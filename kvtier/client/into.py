@@ -11,7 +11,8 @@ passes it here instead::
     caller's buffer ──► xxh3-64 streaming update of the chunk just written (still in cache)
 
 The digest is of the destination's bytes, so what is verified is exactly what the caller gets.
-A record that fails any check is a miss (the prefix ends there; that buffer's contents are then
+A slot the daemon reports checked (SPEC §7.4, ``acquire``'s ``verified``) is copied without the
+hash unless the client was made with ``verify="always"``. A record that fails any check is a miss (the prefix ends there; that buffer's contents are then
 unspecified), never wrong data. Torch-free.
 """
 
@@ -55,6 +56,12 @@ def check_buffers(buffers: Sequence[Any], num_keys: int) -> list[memoryview]:
             raise InvalidRequest(f"load_into: buffer {i} must be writable and C-contiguous")
         views.append(view.cast("B") if view.format != "B" or view.ndim != 1 else view)
     return views
+
+
+def copy_plain(src: memoryview, dst: memoryview) -> None:
+    """Copy ``src`` into ``dst`` (same length): a payload the daemon already checked."""
+    assert src.nbytes == dst.nbytes, "copy_plain copies equal lengths"
+    dst[:] = src
 
 
 def copy_hashed(src: memoryview, dst: memoryview) -> int:
@@ -118,9 +125,12 @@ def load_into_flow(s: Session, ns_id: bytes, hashes: list[bytes],
         return (yield from fetch_flow(s, ns_id, hashes, take_record))
     shm = s.shm
 
-    def take_slot(i: int, key: bytes, slot: SlotRef, header: bytes) -> BlockHeader | None:
+    def take_slot(i: int, key: bytes, slot: SlotRef, header: bytes, checked: bool) -> BlockHeader | None:
         h = _header(ns_id, key, header, slot[2])
         if h is None:
             return None
+        if checked:
+            shm.read_into(slot, _dest(dests, i, h), copy_plain)
+            return h
         return _checked(h, shm.read_into(slot, _dest(dests, i, h), copy_hashed))
     return (yield from acquire_flow(s, ns_id, hashes, take_slot))

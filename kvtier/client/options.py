@@ -9,6 +9,9 @@ from kvtier_protocol.errors import InvalidRequest
 from kvtier_protocol.wire_checks import DEFAULT_LEASE_MS, MAX_TEXT_LEN
 
 
+VERIFY_MODES = ("auto", "always")
+
+
 @dataclass(frozen=True, slots=True)
 class ClientOptions:
     """How a client connects and how long it waits.
@@ -27,6 +30,12 @@ class ClientOptions:
             (or degrade) at once instead of waiting on a dead or stuck daemon again.
         lease_ms: lifetime asked for reservations (save) and pins (load) over shared memory; the
             daemon reclaims them after this time if the client vanishes.
+        verify: which loaded payloads the client hashes against their header checksum.
+            ``"auto"``: all, except shared-memory slots the daemon reports it checked after they
+            were written (a host copy checked at commit or on promotion from disk is immutable
+            until freed, so hashing it again on every load only halves load bandwidth).
+            ``"always"``: every payload, whatever the daemon says. Headers, keys and lengths are
+            checked either way; a failed check is a miss.
     """
 
     token: str | None = field(default=None, repr=False)
@@ -37,6 +46,7 @@ class ClientOptions:
     retries: int = 2
     holddown_s: float = 1.0
     lease_ms: int = DEFAULT_LEASE_MS
+    verify: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("token", "tenant"):
@@ -55,5 +65,7 @@ class ClientOptions:
             raise InvalidRequest(f"client option holddown_s must be >= 0, got {self.holddown_s!r}")
         if type(self.retries) is not int or not 0 <= self.retries <= 10:
             raise InvalidRequest(f"client option retries must be an integer in 0..10, got {self.retries!r}")
+        if self.verify not in VERIFY_MODES:
+            raise InvalidRequest(f"client option verify must be one of {VERIFY_MODES}, got {self.verify!r}")
         if type(self.lease_ms) is not int or self.lease_ms < 1:
             raise InvalidRequest(f"client option lease_ms must be a positive integer, got {self.lease_ms!r}")

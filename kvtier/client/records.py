@@ -85,15 +85,18 @@ def prepare_records(ns_id: bytes, blocks: Sequence[Block]) -> list[Record]:
     return out
 
 
-def verified_record(ns_id: bytes, key: bytes, record: Buffer) -> bytes | None:
+def verified_record(ns_id: bytes, key: bytes, record: Buffer, *,
+                    payload_checked: bool = False) -> bytes | None:
     """``record`` as bytes if it is whole, names ``ns_id``/``key`` and matches its checksums; None
-    otherwise (a corrupt block is a miss, never wrong data)."""
+    otherwise (a corrupt block is a miss, never wrong data). ``payload_checked``: the daemon
+    already checked the payload; only the header's own checksum, key and length are checked."""
     try:
         h, payload = split_record(record)
         if h.ns_id != ns_id or h.chain_hash != key:
             log.warning("daemon returned a record of another key for %s; treated as a miss", key.hex())
             return None
-        verify_payload(h, payload)
+        if not payload_checked:
+            verify_payload(h, payload)
     except KVTierError as exc:
         log.warning("record %s failed verification (%s); treated as a miss", key.hex(), exc.code)
         return None

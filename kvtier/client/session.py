@@ -32,12 +32,14 @@ class Session:
         limits: the daemon's limits; requests stay within them, responses are checked against them.
         shm: the mapped host segments (unix socket), or None: then save and load go inline (put/get).
         lease_ms: lease lifetime asked for reservations and pins, within ``limits.max_lease_ms``.
+        trust_checked: skip hashing slots the daemon reports checked (``ClientOptions.verify``).
     """
 
     server: str
     limits: Limits
     shm: SegmentMap | None
     lease_ms: int
+    trust_checked: bool = False
 
     def close(self) -> None:
         """Unmap the segments (idempotent)."""
@@ -78,4 +80,5 @@ def open_session(response: HelloResponse, fds: Sequence[int], options: ClientOpt
         for fd in fds:
             os.close(fd)
     lease_ms = min(options.lease_ms, response.limits.max_lease_ms)
-    return Session(server=response.server, limits=response.limits, shm=shm, lease_ms=lease_ms)
+    return Session(server=response.server, limits=response.limits, shm=shm, lease_ms=lease_ms,
+                   trust_checked=options.verify == "auto")

@@ -130,7 +130,8 @@ class RequestHandler:
         missing = len(req.hashes) - len(got.blocks)
         slots = tuple(_slot_ref(b.slot) for b in got.blocks) + (None,) * missing
         headers = tuple(b.header for b in got.blocks) + (None,) * missing
-        return fr.AcquireResponse(req.id, got.lease_id, slots, headers)
+        checked = tuple(b.checked for b in got.blocks) + (False,) * missing
+        return fr.AcquireResponse(req.id, got.lease_id, slots, headers, checked if any(checked) else None)
 
     async def _release(self, req: fr.ReleaseRequest, session: Session) -> fr.Message:
         if req.lease:

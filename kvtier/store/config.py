@@ -63,6 +63,10 @@ class StoreConfig:
             so a pass over the payload here would cost ~1/7 s per GB on the hot put path to catch
             only a buggy client; every move (demotion, write-through, promotion) and every disk
             read verifies anyway, so a bad payload is never written down nor served from disk.
+        scrub_commits: check each committed host payload against its header checksum once, in
+            the background soon after commit (:mod:`kvtier.store.scrub`); acquire then reports
+            the block ``checked`` and same-host readers copy it without hashing it again. A bad
+            payload is deleted and counted. Off: every reader verifies every load itself.
         priority_classes: eviction classes; blocks of class 0 go first, the highest class last.
         hash_bytes: length of a chain hash (32 for the sha256 schemes).
         io_threads: threads of the executor that runs disk I/O and large copies.
@@ -92,6 +96,7 @@ class StoreConfig:
     lease_seconds: float = 30.0
     max_lease_seconds: float = 600.0
     verify_on_commit: bool = False
+    scrub_commits: bool = True
     priority_classes: int = 4
     hash_bytes: int = 32
     io_threads: int = 2

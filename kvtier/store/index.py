@@ -45,6 +45,7 @@ class BlockMeta:
     num_tokens: int = 0  # header summary
     checksum: int = 0  # the header's payload checksum, verified on every move and disk read
     host_slot: Slot | None = None  # copy in the shared host tier
+    host_checked: bool = False  # the host copy matched the checksum after it was written
     gpu_slot: Slot | None = None  # copy in the GPU tier
     on_disk: bool = False  # copy in the disk tier
     priority: int = 0  # eviction class: 0 goes first
@@ -244,6 +245,7 @@ class BlockIndex:
         slot: Slot | None = None
         if tier is Tier.HOST:
             slot, meta.host_slot = meta.host_slot, None
+            meta.host_checked = False
         elif tier is Tier.GPU:
             slot, meta.gpu_slot = meta.gpu_slot, None
         else:
@@ -252,6 +254,12 @@ class BlockIndex:
         self.count[tier] -= 1
         self._refresh(meta)
         return slot
+
+    def mark_host_checked(self, meta: BlockMeta) -> None:
+        """Record that the host copy of ``meta`` matched its checksum after it was written; it
+        stays so until the copy is freed (a committed slot is never written again)."""
+        assert meta.host_slot is not None and meta.committed, "only committed host copies are checked"
+        meta.host_checked = True
 
     # --- recency, priority, leases -----------------------------------------------------------
 

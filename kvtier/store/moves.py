@@ -249,6 +249,7 @@ class Mover:
                 c.tiers[Tier.GPU].demotions += 1
                 c.tiers[Tier.GPU].bytes_out += meta.size
                 c.tiers[Tier.HOST].bytes_in += meta.size
+                self.index.mark_host_checked(meta)  # verified as it was copied down
                 self.emit(EventKind.STORED, Tier.HOST, meta)
             else:
                 c.checksum_failures += 1  # the GPU copy is bad: drop it, never keep it below

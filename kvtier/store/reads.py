@@ -67,7 +67,8 @@ class BlockReader:
             self.index.touch(meta, now)
             slot = meta.gpu_slot if pool is Tier.GPU else meta.host_slot
             assert slot is not None, "served blocks have a copy in their pool"
-            blocks.append(AcquiredBlock(meta.chain_hash, slot, meta.header, found, pool))
+            checked = pool is Tier.HOST and meta.host_checked
+            blocks.append(AcquiredBlock(meta.chain_hash, slot, meta.header, found, pool, checked))
         return Acquired(lease.lease_id, blocks, lease.expires_at)
 
     async def promote(self, metas: list[BlockMeta], *, gpu_in_place: bool = False) -> int:
@@ -127,6 +128,7 @@ class BlockReader:
                 c.promotions += 1
                 c.tiers[Tier.DISK].bytes_out += meta.charge(Tier.DISK)
             c.tiers[Tier.HOST].bytes_in += meta.size
+            self.index.mark_host_checked(meta)  # the copy was verified on its way in
             mover.emit(EventKind.STORED, Tier.HOST, meta)
             return
         mover.free_copy(meta, Tier.HOST, announce=False)

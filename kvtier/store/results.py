@@ -65,6 +65,8 @@ class AcquiredBlock:
             down into host for this call), or DISK (promoted into host for this call).
         pool: the memory tier ``slot`` belongs to: HOST (``store.host.view(slot)``) or, only when
             ``acquire(..., tier=Tier.GPU)`` found a GPU copy, GPU (``store.gpu.tensor(slot)``).
+        checked: the payload in ``slot`` was verified against the header's checksum after it was
+            written (at commit, by the scrubber, or as it was copied in); readers may skip it.
     """
 
     chain_hash: bytes
@@ -72,6 +74,7 @@ class AcquiredBlock:
     header: bytes
     tier: Tier
     pool: Tier = Tier.HOST
+    checked: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,6 +41,7 @@ from kvtier.store.moves import MEMORY_TIERS, Mover
 from kvtier.store.parts import Shared, StoreParts, close_parts, open_parts
 from kvtier.store.policy import AdmissionFilter
 from kvtier.store.results import Acquired, BlockInfo, CheckReport, LookupResult, Reservation
+from kvtier.store.scrub import CommitScrubber
 from kvtier.store.stats import EventLog, StoreCounters, StoreEvent, StoreGauges, TierGauges
 from kvtier.store.types import BlockKey, Tier
 
@@ -79,6 +80,7 @@ class TieredStore:
         self._namespaces: dict[bytes, Namespace] = {}
         self._mutex = asyncio.Lock()
         self._parts: StoreParts | None = None
+        self._scrubber: CommitScrubber | None = None
         self._started = False
 
     # --- lifecycle -----------------------------------------------------------------------------
@@ -95,6 +97,9 @@ class TieredStore:
         self._started = True
         shared = Shared(self.index, self._counters, self._events, self._admission, self._leases, self.now)
         self._parts = await open_parts(self.config, shared)
+        if self.config.scrub_commits:
+            self._scrubber = CommitScrubber(self.index, self._parts.mover, self._counters, self._mutex)
+            self._scrubber.start()
 
     async def close(self) -> None:
         """Drop every lease, persist the memory blocks, close the tiers. Idempotent.
@@ -109,6 +114,9 @@ class TieredStore:
         write-ahead log holds every acknowledged write). A failed flush is logged, not raised:
         the tiers are closed all the same.
         """
+        scrubber, self._scrubber = self._scrubber, None
+        if scrubber is not None:
+            await scrubber.stop()
         async with self._mutex:
             if self._parts is None:
                 return
@@ -296,7 +304,16 @@ class TieredStore:
         parsed = check.check_commit(lease.blocks, headers, self._namespaces)
         self._leases.pop(lease_id)  # from here on, expiry cannot reclaim these slots
         async with self._mutex:
-            return await self.parts.writer.commit(lease, headers, parsed)
+            ok = await self.parts.writer.commit(lease, headers, parsed)
+        if self._scrubber is not None:
+            self._scrubber.submit(m for m, good in zip(lease.blocks, ok) if good and m is not None)
+        return ok
+
+    async def drain_scrub(self) -> None:
+        """Wait until every block committed so far has been checked by the scrubber (tests,
+        benchmarks); returns at once when ``scrub_commits`` is off."""
+        if self._scrubber is not None:
+            await self._scrubber.drain()
 
     # --- removal, priority, recency ------------------------------------------------------------
 

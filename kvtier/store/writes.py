@@ -94,6 +94,8 @@ class BlockWriter:
                 self.counters.checksum_failures += 1
                 continue
             self.index.commit(meta, bytes(buf), h.parent_hash, h.num_tokens, h.checksum, now)
+            if verify and meta.host_slot is not None:
+                self.index.mark_host_checked(meta)
             committed.append((meta, payload or b""))
         if cfg.write_through and committed:
             await self.mover.write_disk(committed, announce=False)

@@ -79,12 +79,19 @@ class AcquireResponse(Message):
     lease: int  # 0 when nothing was acquired
     slots: tuple[SlotRef | None, ...]  # per key: slot holding the payload, or nil (missing)
     headers: tuple[bytes | None, ...]  # per key: the encoded block header, or nil (missing)
+    # per key: the daemon checked this slot's payload against the header's checksum after it was
+    # written (SPEC §7.4, acquire); absent means no block was checked
+    verified: tuple[bool, ...] | None = None
 
     def _check(self, limits: Limits) -> None:
         same_len(self.OP, slots=self.slots, headers=self.headers)
         for slot, header in zip(self.slots, self.headers):
             if slot == EXISTS or (slot is None) != (header is None):
                 raise InvalidRequest("acquire: slot and header must both be set or both nil")
+        if self.verified is not None:
+            same_len(self.OP, slots=self.slots, verified=self.verified)
+            if any(v and s is None for v, s in zip(self.verified, self.slots)):
+                raise InvalidRequest("acquire: verified is false where slots is nil")
 
 
 @dataclass(frozen=True, slots=True)

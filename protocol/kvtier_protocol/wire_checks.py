@@ -204,13 +204,22 @@ def unsigned(name: str, value: Any, limits: Limits) -> int:
     return uint(name, value, limits)
 
 
+def flags(name: str, value: Any, limits: Limits) -> tuple[bool, ...]:
+    """An array of booleans (msgpack true/false; integers are not booleans here)."""
+    out = tuple(array(name, value, limits))
+    for v in out:
+        if not isinstance(v, bool):
+            raise InvalidRequest(f"{name}: entries are true or false")
+    return out
+
+
 CHECKERS: dict[str, Checker] = {
     "version": version, "client": text, "tenant": text, "token": text, "server": text,
     "limits": limits_map, "segments": segments, "fds": unsigned,
     "ns_id": ns_id, "hashes": hashes, "sizes": sizes, "lens": lens, "headers": headers,
     "lease": unsigned, "lease_ms": lease_ms, "priority": priority,
     "num_hits": unsigned, "tiers": tiers, "slots": slots, "results": put_results,
-    "committed": unsigned, "deleted": unsigned, "stats": stats_map,
+    "committed": unsigned, "deleted": unsigned, "stats": stats_map, "verified": flags,
 }
 """Checker of every header field, by name: a name means the same thing in every message."""
 

@@ -47,6 +47,7 @@ class Peer:
         self.drop_on: set[str] = set()  # ops whose next request aborts the connection unanswered
         self.last: dict[str, Any] = {}  # the last valid request of each op
         self.bad_reply: set[str] = set()  # ops answered "ok" without their required keys
+        self.report_checked = False  # acquire says every block's payload was checked (as kvtierd's scrubber does)
         self.inflight = self.most_inflight = 0  # requests being answered now / at most so far
         self.writers: set[asyncio.StreamWriter] = set()
         self.loop = asyncio.new_event_loop()
@@ -210,8 +211,9 @@ class Peer:
         lease = next(self.lease_ids) if any(found) else 0
         if lease:
             self.leases[lease] = []
+        checked = tuple(bool(f) for f in found) if self.report_checked else None
         return F.AcquireResponse(id=r.id, lease=lease, slots=tuple(f and f[1] for f in found),
-                                 headers=tuple(f and f[0] for f in found))
+                                 headers=tuple(f and f[0] for f in found), verified=checked)
 
     def _op_release(self, r: F.ReleaseRequest) -> F.ReleaseResponse:
         if r.lease and self.leases.pop(r.lease, None) is None:

@@ -66,6 +66,26 @@ def test_corrupt_or_foreign_block_is_a_miss(peer: Peer, path: str) -> None:
     assert not peer.leases
 
 
+@pytest.mark.parametrize("verify", ["auto", "always"])
+def test_a_payload_the_daemon_checked_is_hashed_again_only_when_asked(peer: Peer, verify: str) -> None:
+    """The daemon's "checked" mark is trusted by default (that is what makes a load a plain copy);
+    ``verify="always"`` hashes anyway and so catches a slot changed after the daemon's check."""
+    blocks = make_blocks(2, 4096)
+    keys = [k for k, _ in blocks]
+    with Client(peer.unix_path) as kv:
+        kv.save(NS_ID, blocks)
+    _, slot = peer.blocks[(NS_ID, keys[1])]
+    peer.mm[slot[1] + 10] ^= 0xFF  # changed after the (simulated) check
+    peer.report_checked = True
+    with Client(peer.unix_path, verify=verify) as kv:
+        bufs = [bytearray(4096) for _ in keys]
+        got = kv.load_into(NS_ID, keys, bufs)
+        records = kv.load(NS_ID, keys)
+    assert len(got) == len(records) == (2 if verify == "auto" else 1)
+    assert bufs[0] == split_record(blocks[0][1])[1]
+    assert not peer.leases
+
+
 def test_bad_buffers_are_refused(peer: Peer) -> None:
     blocks = make_blocks(2, 4096)
     keys = [k for k, _ in blocks]

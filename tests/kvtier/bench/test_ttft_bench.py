@@ -31,7 +31,7 @@ def test_quick_ttft_bench_writes_json(tmp_path: Path, monkeypatch: pytest.Monkey
     names = {f.name for f in fields(Row)}
     got = {(r["case"], r["metric"]) for r in doc["rows"]}
     want = {(f"{engine} {n} ({n - 32} stored)", metric) for engine in ("engine", "hf") for n in (128, 256)
-            for metric in ("TTFT", "TTFT vs resident")}
+            for metric in ("TTFT", "TTFT vs resident", "ceiling: resident vs prefill")}
     assert got == want
     for row in doc["rows"]:
         assert set(row) == names and row["unit"] == "ms"

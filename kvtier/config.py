@@ -5,9 +5,10 @@ Sources, highest precedence first::
     flags (kvtier serve --host-bytes ...)  >  KVTIER_* environment  >  TOML file  >  embedded defaults
 
 The TOML file has the sections ``[store]`` (the fields of :class:`~kvtier.store.config.StoreConfig`),
-``[dataplane]``, ``[rest]``, ``[events]``, ``[auth]`` and ``[daemon]`` (``data_dir``, ``log_level``,
-``drain_timeout_s``); ``configs/kvtier.toml`` documents every option with its default. Unknown
-sections or keys are errors, so a typo never silently falls back to a default.
+``[dataplane]``, ``[rest]``, ``[events]``, ``[auth]``, ``[daemon]`` (``data_dir``, ``log_level``,
+``drain_timeout_s``) and ``[tenants.<name>]`` (:mod:`kvtier.config_tenants`; file only);
+``configs/kvtier.toml`` documents every option with its default. Unknown sections
+or keys are errors, so a typo never silently falls back to a default.
 
 Environment: every option is ``KVTIER_<SECTION>__<KEY>`` (upper case, two underscores), e.g.
 ``KVTIER_STORE__WRITE_THROUGH=1``; the common ones also have the short names of :data:`ENV_ALIASES`
@@ -27,11 +28,14 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier_protocol.errors import InvalidRequest
 
 from kvtier.store.config import StoreConfig
+
+if TYPE_CHECKING:
+    from kvtier.config_tenants import TenantConfig
 
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 UNIX_PATH_MAX = 107  # sun_path is 108 bytes including the terminating NUL
@@ -233,6 +237,8 @@ class DaemonConfig:
         data_dir: directory of the disk tier (``<data_dir>/disk`` by default) and the token file.
         log_level: one of :data:`LOG_LEVELS`.
         drain_timeout_s: at shutdown, how long in-flight requests may take to finish.
+        tenants: the tenants (:mod:`kvtier.config_tenants`), each with its own store; empty:
+            one shared store.
     """
 
     store: StoreConfig
@@ -243,6 +249,7 @@ class DaemonConfig:
     data_dir: str
     log_level: str = "info"
     drain_timeout_s: float = 10.0
+    tenants: tuple[TenantConfig, ...] = ()
 
     def __post_init__(self) -> None:
         if not _typed("daemon.data_dir", self.data_dir, str):
@@ -251,7 +258,10 @@ class DaemonConfig:
             raise ConfigError(f"daemon.log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
         object.__setattr__(self, "log_level", self.log_level.lower())
         _positive("daemon.drain_timeout_s", self.drain_timeout_s, number=True, zero=True)
+        if self.tenants != ():
+            from kvtier.config_tenants import check_tenants  # it imports this module
 
+            check_tenants(self.tenants, self.store, self.data_dir, self.auth.token)
 
 
 

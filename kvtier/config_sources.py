@@ -15,6 +15,7 @@ from typing import Any
 
 from kvtier.config import (AuthConfig, ConfigError, DaemonConfig, DataPlaneConfig, EventsConfig, RestConfig,
                            _typed, parse_size)
+from kvtier.config_tenants import TenantConfig, parse_tenants
 from kvtier.store.config import StoreConfig
 
 GIB = 1 << 30
@@ -25,7 +26,7 @@ DISK_BYTES_DEFAULT = 20 * GIB
 
 SECTIONS: dict[str, type] = {"store": StoreConfig, "dataplane": DataPlaneConfig, "rest": RestConfig,
                              "events": EventsConfig, "auth": AuthConfig, "daemon": DaemonConfig}
-_NESTED = ("store", "dataplane", "rest", "events", "auth")
+_NESTED = ("store", "dataplane", "rest", "events", "auth", "tenants")  # fields that are not options
 SIZE_OPTIONS = frozenset({"store.host_bytes", "store.host_segment_bytes", "store.disk_bytes", "store.gpu_bytes",
                           "store.gpu_segment_bytes", "dataplane.max_payload_bytes"})
 NULLABLE = frozenset({"dataplane.socket", "dataplane.listen", "rest.listen", "events.endpoint",
@@ -95,7 +96,8 @@ def _convert(option: str, value: Any, origin: str) -> Any:
         raise ConfigError(f"{option} ({origin}): {msg.removeprefix(option + ' ')}") from None
 
 
-def _from_toml(path: str) -> dict[str, tuple[Any, str]]:
+def _from_toml(path: str) -> tuple[dict[str, tuple[Any, str]], tuple[TenantConfig, ...]]:
+    """The options of a TOML file, and its tenants."""
     try:
         with open(path, "rb") as f:
             doc = tomllib.load(f)
@@ -104,6 +106,7 @@ def _from_toml(path: str) -> dict[str, tuple[Any, str]]:
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
     out, unknown = {}, []
+    tenants = parse_tenants(doc.pop("tenants"), f"file {path}") if "tenants" in doc else ()
     for section, table in doc.items():
         if section not in SECTIONS or not isinstance(table, dict):
             unknown.append(f"[{section}]")
@@ -116,7 +119,7 @@ def _from_toml(path: str) -> dict[str, tuple[Any, str]]:
                 unknown.append(f"[{section}] {key}")
     if unknown:
         raise ConfigError(f"unknown option(s) in {path}: {', '.join(unknown)} (see configs/kvtier.toml)")
-    return out
+    return out, tenants
 
 
 def _from_env(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
@@ -181,7 +184,7 @@ def default_topic() -> str:
 def load(path: str | None, env: Mapping[str, str], overrides: Mapping[str, object]) -> DaemonConfig:
     """:func:`kvtier.config.load_config` (see there)."""
     path = path if path is not None else env.get("KVTIER_CONFIG") or None
-    values = _from_toml(path) if path else {}
+    values, tenants = _from_toml(path) if path else ({}, ())
     values.update(_from_env(env))
     for option, value in overrides.items():
         if option not in OPTIONS:
@@ -219,4 +222,4 @@ def load(path: str | None, env: Mapping[str, str], overrides: Mapping[str, objec
         raise ConfigError(f"store: {e}") from None
     return DaemonConfig(store=store_cfg, dataplane=DataPlaneConfig(**dp), rest=RestConfig(**sections["rest"]),
                         events=EventsConfig(**sections["events"]), auth=AuthConfig(**auth),
-                        data_dir=data_dir, **sections["daemon"])
+                        data_dir=data_dir, **sections["daemon"], tenants=tenants)

@@ -19,7 +19,8 @@ class ClientOptions:
     Attributes:
         token: the daemon's shared secret; required over TCP (and where the daemon asks for it
             on its unix socket). Kept out of reprs and logs.
-        tenant: tenant whose host segments to map; None: the default pool.
+        tenant: the tenant whose store to use (its token must be presented too); None: the
+            store the token selects (a tenant token: its tenant; otherwise the default store).
         client_name: free-form name the daemon logs for this connection.
         timeout_s: bound on one call as a whole: every round trip, reconnect and retry it makes.
             A call that runs out of time raises :class:`TimedOut` (or degrades to misses).

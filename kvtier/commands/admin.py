@@ -4,7 +4,9 @@ Every command talks to a running daemon over REST (``--rest``, else ``$KVTIER_RE
 configuration's ``rest.listen``, else ``http://127.0.0.1:7471``) with the standard library only.
 Output is a human-readable table, or the daemon's JSON with ``--json``. Mutations (clear,
 check) send the daemon's token: ``--token-file``, else the configuration's token
-(``KVTIER_TOKEN``, ``auth.token``, ``auth.token_file``, ``<data_dir>/token``).
+(``KVTIER_TOKEN``, ``auth.token``, ``auth.token_file``, ``<data_dir>/token``). ``--tenant NAME``
+works on a tenant's store instead of the default one: with the admin token, or with that
+tenant's own token (``--token-file``); every command then sends the token.
 
 Exit status: 0 done; 1 the daemon is unreachable or refused the request (one line on stderr,
 no traceback); 2 ``check`` found problems it did not repair; argparse's 2 for bad usage.
@@ -34,15 +36,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--config", metavar="FILE", default=None, help="daemon configuration (TOML) to read defaults from")
     g.add_argument("--timeout", metavar="S", type=float, default=10.0, help="seconds to wait for the daemon (10)")
     g.add_argument("--json", action="store_true", help="print the daemon's JSON answer instead of a table")
-    auth = argparse.ArgumentParser(add_help=False)
-    auth.add_argument("--token-file", metavar="FILE", default=None,
-                      help="file holding the daemon's token (default: $KVTIER_TOKEN, the configuration's "
-                           "auth.token / auth.token_file, else <data_dir>/token)")
+    g.add_argument("--tenant", metavar="NAME", default=None,
+                   help="work on this tenant's store (needs the admin token or the tenant's own --token-file)")
+    g.add_argument("--token-file", metavar="FILE", default=None,
+                   help="file holding the daemon's (or a tenant's) token (default: $KVTIER_TOKEN, the "
+                        "configuration's auth.token / auth.token_file, else <data_dir>/token)")
 
     def add(name: str, func: Callable[[RestClient, argparse.Namespace], int], text: str,
-            parents: tuple[argparse.ArgumentParser, ...] = (common,)) -> argparse.ArgumentParser:
-        p = subparsers.add_parser(name, parents=list(parents), help=text, description=text)
-        p.set_defaults(func=lambda args: _run(func, args))
+            needs_token: bool = False) -> argparse.ArgumentParser:
+        p = subparsers.add_parser(name, parents=[common], help=text, description=text)
+        p.set_defaults(func=lambda args: _run(func, args), needs_token=needs_token)
         return p
 
     add("status", _status, "show the daemon's version, readiness, tiers and counters")
@@ -62,10 +65,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     src.add_argument("--tokens", metavar="IDS", help="comma-separated token ids, e.g. 1,2,3")
     src.add_argument("--tokens-file", metavar="FILE",
                      help="token ids in a file: a JSON array, or integers separated by commas or spaces")
-    p = add("clear", _clear, "remove every block of a namespace (needs the token)", (common, auth))
+    p = add("clear", _clear, "remove every block of a namespace (needs the token)", True)
     p.add_argument("--ns", metavar="HEX", required=True, help="namespace id (32 hex digits)")
     p = add("check", _check, "audit the index against the stored blocks (needs the token); exit 2 when "
-                             "problems remain", (common, auth))
+                             "problems remain", True)
     p.add_argument("--fix", action="store_true", help="repair what the audit finds")
 
 

@@ -53,12 +53,19 @@ class RestClient:
         timeout: seconds per request.
         token: sent as ``Authorization: Bearer`` when a call asks for it; None: none known.
         token_hint: where the token was looked for, for the 401 message.
+        tenant: the tenant whose store every call works on (``?tenant=``). None: the store the
+            token selects (the default store for the admin's token or none).
+        always: send the token with every call, reads too (a tenant's token selects its store;
+            ``--tenant`` needs a token); else only where a call asks for it.
     """
 
-    def __init__(self, base: str, timeout: float, token: str | None = None, token_hint: str = "") -> None:
+    def __init__(self, base: str, timeout: float, token: str | None = None, token_hint: str = "",
+                 tenant: str | None = None, always: bool = False) -> None:
         import urllib.request
 
         self.base = base
+        self.tenant = tenant
+        self._always = always or tenant is not None
         self.timeout = timeout
         self._token = token
         self._token_hint = token_hint
@@ -79,8 +86,9 @@ class RestClient:
         else:
             base = rest_url(cfg.rest.listen) if cfg is not None and cfg.rest.listen else "http://127.0.0.1:7471"
         token, hint = None, "pass --token-file FILE or set KVTIER_TOKEN"
-        if not hasattr(args, "token_file"):
-            pass  # a read-only command: no token is looked for (nor a token file read)
+        tenant = getattr(args, "tenant", None)
+        if not (getattr(args, "needs_token", False) or tenant or getattr(args, "token_file", None)):
+            pass  # a read-only command on the default store: no token is looked for (nor a file read)
         elif args.token_file:
             token = _read_token(args.token_file, missing_ok=False)
         elif cfg is not None and cfg.auth.token:
@@ -91,7 +99,7 @@ class RestClient:
             hint = f"no readable token in {path}; " + hint
         elif env.get("KVTIER_TOKEN"):
             token = env["KVTIER_TOKEN"].strip()
-        return cls(base, args.timeout, token, hint)
+        return cls(base, args.timeout, token, hint, tenant, bool(getattr(args, "token_file", None)))
 
     def get(self, path: str, *, ok_statuses: tuple[int, ...] = ()) -> Any:
         """GET ``path``; the decoded JSON answer. ``ok_statuses``: error statuses to return, not raise."""
@@ -112,8 +120,12 @@ class RestClient:
         if body is not None:
             data = json.dumps(body).encode()
             headers["Content-Type"] = "application/json"
-        if token and self._token is not None:
+        if (token or self._always) and self._token is not None:
             headers["Authorization"] = f"Bearer {self._token}"
+        if self.tenant is not None:
+            from urllib.parse import quote
+
+            path += ("&" if "?" in path else "?") + "tenant=" + quote(self.tenant, safe="")
         req = urllib.request.Request(self.base + path, data=data, method=method, headers=headers)
         try:
             with self._opener.open(req, timeout=timeout) as resp:

@@ -27,6 +27,7 @@ from kvtier_protocol.errors import (Busy, InvalidRequest, KVTierError, ProtocolE
                                     Unauthorized, UnsupportedVersion)
 
 from kvtier.server.handlers import RequestHandler, Session
+from kvtier.server.tenancy import hello_scope
 
 if TYPE_CHECKING:
     from kvtier.server.auth import Auth
@@ -207,10 +208,15 @@ class Connection:
         if req.version != fr.FRAME_VERSION:
             raise UnsupportedVersion(f"protocol version {req.version} is not spoken here "
                                      f"(this daemon speaks {fr.FRAME_VERSION})")
-        if self.token_required or req.token is not None:
-            self.auth.require(req.token)  # a wrong token is refused even where none is needed
-        # Tenants share one pool: every client gets every segment (DESIGN.md §4).
-        host = self.ctx.store.host
+        principal = self.auth.identify(req.token) if req.token is not None else None
+        if req.token is not None and principal is None:
+            raise Unauthorized("wrong token")  # refused even where no token is needed
+        if self.token_required and req.token is None:
+            raise Unauthorized("a valid token is required")
+        # The token picks the store; a client receives only that store's segments, so a
+        # tenant can map neither another tenant's blocks nor the default pool (DESIGN.md §4).
+        scope = hello_scope(self.ctx, principal, req.tenant)
+        host = scope.store.host
         infos = host.segments if host is not None and not self.session.tcp else []
         segments = tuple(fr.Segment(s.name, s.size) for s in infos)
         response = fr.HelloResponse(req.id, fr.FRAME_VERSION, f"kvtierd {self.ctx.version}",
@@ -220,10 +226,12 @@ class Connection:
             await self._send_with_fds(b"".join(bufs), [s.fd for s in infos])
         else:
             await self._write(bufs)
+        self.session.scope = scope
         self.session.hello_done = True
         self.session.has_segments = bool(infos)
-        self.session.authenticated = self.auth.check(req.token)
-        log.debug("%s: hello from %r (%d segments)", self.peer, req.client, len(segments))
+        self.session.authenticated = principal is not None or not self.auth.required
+        log.debug("%s: hello from %r (%s, %d segments)", self.peer, req.client,
+                  f"tenant {scope.tenant}" if scope.tenant else "default store", len(segments))
 
     # --- writing -------------------------------------------------------------------------------
 
@@ -296,7 +304,7 @@ class Connection:
     async def _finish(self) -> None:
         if self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
-        store = self.ctx.store
+        store = self.handler.scope(self.session).store
         for lease_id in list(self.session.leases):
             try:
                 store.release(lease_id)  # a reservation is abandoned, never committed

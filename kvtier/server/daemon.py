@@ -1,12 +1,13 @@
-"""kvtierd's life cycle: assemble the services around one store, serve, shut down in a fixed order.
+"""kvtierd's life cycle: assemble the services around its stores, serve, shut down in a fixed order.
 
 ::
 
-    start:  store.start() -> Auth -> Metrics -> EventHub.start() -> DataPlane.start() -> REST site
-            -> event pump -> ready (sd_notify READY=1, one log line per endpoint)
+    start:  store.start() -> each tenant's store.start() -> Auth -> Metrics -> EventHubs.start()
+            -> DataPlane.start() -> REST site -> event pump -> ready (sd_notify READY=1, one log
+            line per endpoint)
     stop (SIGTERM / SIGINT):  STOPPING=1 -> not ready -> data plane and REST stop accepting and
-            drain (drain_timeout_s) -> pump stops -> store.close() (host blocks written to disk)
-            -> last events published -> EventHub.close() -> exit 0
+            drain (drain_timeout_s) -> pump stops -> every store.close() (host blocks written to
+            disk) -> last events published -> EventHubs close -> exit 0
     a second signal during stop: the step under way is cancelled and the rest is closed at once
             (no drain, no flush; the disk tier's log still holds every acknowledged write).
 
@@ -33,8 +34,9 @@ from kvtier_protocol.errors import KVTierError
 
 from kvtier.config import DaemonConfig, split_hostport
 from kvtier.config_sources import nvidia_driver_present
+from kvtier.server import tenancy
 from kvtier.server.auth import Auth
-from kvtier.server.context import DaemonContext
+from kvtier.server.context import DaemonContext, Scope
 from kvtier.server.dataplane import DataPlane
 from kvtier.server.events import EventHub
 from kvtier.server.metrics import Metrics
@@ -72,6 +74,7 @@ class Daemon:
         self.notifier = notifier or SdNotifier()
         self.ctx: DaemonContext | None = None
         self._store: TieredStore | None = None
+        self._tenants: dict[str, Scope] = {}
         self._events: EventHub | None = None
         self._metrics: Metrics | None = None
         self._dataplane: DataPlane | None = None
@@ -140,12 +143,15 @@ class Daemon:
         _log_tiers(store_cfg)
         self._store = TieredStore(store_cfg)
         await self._store.start()
-        auth = Auth.from_config(cfg.auth, cfg.data_dir)
         self._metrics = Metrics(gpu=nvidia_driver_present())
+        self._tenants = await tenancy.open_tenants(cfg, self._metrics, gpu_checked)
+        auth = Auth.from_config(cfg.auth, cfg.data_dir, cfg.tenants)
         self._events = EventHub(cfg.events, self._metrics)
-        self.ctx = ctx = DaemonContext(cfg, self._store, auth, self._metrics, self._events, started_at)
+        self.ctx = ctx = DaemonContext(cfg, self._store, auth, self._metrics, self._events, started_at,
+                                       tenants=self._tenants)
         self._metrics.bind(ctx)
         events = self._events.start()
+        ctx.endpoints.update(tenancy.start_hubs(self._tenants))
         self._dataplane = DataPlane(ctx)
         ctx.dataplane = self._dataplane
         ctx.endpoints["dataplane"] = await self._dataplane.start()
@@ -161,6 +167,9 @@ class Daemon:
             log.info("kvtierd rest %s", ep)
         for name, ep in zip(("events", "replay"), events):
             log.info("kvtierd %s %s", name, ep)
+        for tenant in self._tenants:
+            for name, ep in zip(("events", "replay"), ctx.endpoints.get(f"events:{tenant}", [])):
+                log.info("kvtierd tenant %s %s %s", tenant, name, ep)
 
     async def _start_rest(self, ctx: DaemonContext, listen: str) -> list[str]:
         host, port = split_hostport(listen)
@@ -180,15 +189,17 @@ class Daemon:
             self._pump_once()
             if time.monotonic() - last_reclaim >= RECLAIM_INTERVAL_S and self._store is not None:
                 last_reclaim = time.monotonic()
-                self._store.reclaim_expired()
+                for store in [self._store] + [s.store for s in self._tenants.values()]:
+                    store.reclaim_expired()
 
     def _pump_once(self) -> None:
         if self._store is not None:
-            self._publish(self._store)
+            self._publish(self._store, self._events)
+        for scope in self._tenants.values():  # each store's events go to its own hub only
+            self._publish(scope.store, scope.events)
 
-    def _publish(self, store: TieredStore) -> None:
-        """Hand the store's new events to the hub; a failure is logged, never fatal."""
-        hub = self._events
+    def _publish(self, store: TieredStore, hub: EventHub | None) -> None:
+        """Hand the store's new events to its hub; a failure is logged, never fatal."""
         if hub is None:
             return
         events = store.take_events()
@@ -233,14 +244,19 @@ class Daemon:
                 await self._pump
             self._pump = None
         store, self._store = self._store, None
+        tenants, self._tenants = list(self._tenants.values()), {}
         try:
-            if store is not None:
+            if store is not None or tenants:
                 self.notifier.status("writing memory blocks to disk")
-                await store.close()
+            closing = [store.close()] if store is not None else []
+            await asyncio.gather(*closing, tenancy.close_stores(tenants))
         finally:
             # After the close: its flush to disk is reported too (blocks now stored on disk).
             if store is not None:
-                self._publish(store)
+                self._publish(store, self._events)
+            for scope in tenants:
+                self._publish(scope.store, scope.events)
+            tenancy.close_hubs(tenants)
             self._close_services()
 
     async def _close_fast(self) -> None:
@@ -252,11 +268,15 @@ class Daemon:
                 await self._runner.cleanup()
         if self._pump is not None:
             self._pump.cancel()
-        if self._store is not None:
+        stores = [self._store] if self._store is not None else []
+        stores += [s.store for s in self._tenants.values()]
+        for store in stores:
             # No flush: the store's write-ahead log already holds every acknowledged disk write.
-            self._store.config = dataclasses.replace(self._store.config, flush_on_close=False)
-            await self._store.close()
-            self._store = None
+            store.config = dataclasses.replace(store.config, flush_on_close=False)
+        await asyncio.gather(*(store.close() for store in stores), return_exceptions=True)
+        self._store = None
+        tenancy.close_hubs(list(self._tenants.values()))
+        self._tenants = {}
         self._close_services()
 
     def _close_services(self) -> None:

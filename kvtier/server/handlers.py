@@ -1,7 +1,8 @@
 """The data-plane operations (SPEC.md §7.4) mapped onto the :class:`~kvtier.store.TieredStore` API.
 
 One :class:`RequestHandler` serves every connection; what belongs to one connection (its leases,
-whether it received segments) lives in its :class:`Session`. Transport concerns (frames, hello,
+whether it received segments, the scope its hello chose: the default store or one tenant's)
+lives in its :class:`Session`. Every operation runs against the session's store only. Transport concerns (frames, hello,
 descriptor passing, in-flight limits) are :mod:`kvtier.server.connection`'s.
 
 ::
@@ -31,7 +32,8 @@ from kvtier.store.results import PutStatus
 from kvtier.store.types import Slot
 
 if TYPE_CHECKING:
-    from kvtier.server.context import DaemonContext
+    from kvtier.server.context import DaemonContext, Scope
+    from kvtier.store.store import TieredStore
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,8 @@ class Session:
         authenticated: the hello presented the daemon's token (or none is configured).
         leases: the leases this connection holds: a PutLease for a reservation, None for an
             acquire. Every one still here when the connection ends is released.
+        scope: the store (and event hub) this connection's requests go to, chosen at hello from
+            its token; None: the default store.
     """
 
     tcp: bool
@@ -64,15 +68,19 @@ class Session:
     has_segments: bool = False
     authenticated: bool = False
     leases: dict[int, PutLease | None] = field(default_factory=dict)
+    scope: Scope | None = None
 
 
 class RequestHandler:
-    """Executes validated requests (everything but hello) against the daemon's store."""
+    """Executes validated requests (everything but hello) against the session's store."""
 
     def __init__(self, ctx: DaemonContext, limits: fr.Limits) -> None:
         self.ctx = ctx
-        self.store = ctx.store
         self.limits = limits
+
+    def scope(self, session: Session) -> Scope:
+        """The scope a session's requests go to (the default one until its hello chose another)."""
+        return session.scope if session.scope is not None else self.ctx.scope()
 
     async def handle(self, req: fr.Request, session: Session) -> fr.Message:
         """Run one request and return its typed response.
@@ -89,16 +97,18 @@ class RequestHandler:
     # --- shared memory path --------------------------------------------------------------------
 
     async def _lookup(self, req: fr.LookupRequest, session: Session) -> fr.Message:
-        num_hits, names = self.store.lookup_names(req.ns_id, req.hashes)
-        ns = self._namespace(req.ns_id)
+        store = self.scope(session).store
+        num_hits, names = store.lookup_names(req.ns_id, req.hashes)
+        ns = _namespace(store, req.ns_id)
         if ns is not None:  # unknown namespace: tokens per block unknown, nothing counted
             misses = len(req.hashes) - num_hits
             self.ctx.metrics.add_lookup_tokens(num_hits * ns.block_tokens, misses * ns.block_tokens)
         return fr.LookupResponse(req.id, num_hits, tuple(names))
 
     async def _reserve(self, req: fr.ReserveRequest, session: Session) -> fr.Message:
-        res = await self.store.reserve(req.ns_id, req.hashes, req.sizes, lease_s=req.lease_ms / 1000,
-                                       priority=self._priority(req.priority))
+        store = self.scope(session).store
+        res = await store.reserve(req.ns_id, req.hashes, req.sizes, lease_s=req.lease_ms / 1000,
+                                  priority=_priority(store, req.priority))
         if res.lease_id:
             reserved = tuple(s is PutStatus.RESERVED for s in res.status)
             session.leases[res.lease_id] = PutLease(req.ns_id, req.hashes, reserved)
@@ -110,21 +120,22 @@ class RequestHandler:
         info = session.leases.get(req.lease)
         if info is None:
             raise LeaseError(f"no reservation {req.lease} on this connection")
+        scope = self.scope(session)
         try:
             self._check_commit(req, info)
             tokens = self._token_info(info.hashes, req.headers, req.tokens, req.unit_hashes)
-            self._maybe_register(info.ns_id, req.headers)
-            ok = await self._commit_all(req.lease, req.headers, info.ns_id, info.hashes)
+            _maybe_register(scope.store, info.ns_id, req.headers)
+            ok = await _commit_all(scope.store, req.lease, req.headers, info.ns_id, info.hashes)
         except BaseException:
-            self.store.release(req.lease)  # SPEC §7.4: a failed commit ends the lease
+            scope.store.release(req.lease)  # SPEC §7.4: a failed commit ends the lease
             raise
         finally:
             del session.leases[req.lease]
-        self._note_tokens(info.ns_id, tokens, ok)
+        _note_tokens(scope, info.ns_id, tokens, ok)
         return fr.CommitResponse(req.id, sum(ok))
 
     async def _acquire(self, req: fr.AcquireRequest, session: Session) -> fr.Message:
-        got = await self.store.acquire(req.ns_id, req.hashes, lease_s=req.lease_ms / 1000)
+        got = await self.scope(session).store.acquire(req.ns_id, req.hashes, lease_s=req.lease_ms / 1000)
         if got.lease_id:
             session.leases[got.lease_id] = None
         missing = len(req.hashes) - len(got.blocks)
@@ -138,7 +149,7 @@ class RequestHandler:
             if req.lease not in session.leases:
                 raise LeaseError(f"no lease {req.lease} on this connection")
             del session.leases[req.lease]
-            if not self.store.release(req.lease):
+            if not self.scope(session).store.release(req.lease):
                 raise LeaseError(f"lease {req.lease} has expired")
         return fr.ReleaseResponse(req.id)
 
@@ -148,30 +159,33 @@ class RequestHandler:
         records = req.records()
         headers, payloads = await run_sized(sum(req.lens), check_records, req.ns_id, req.hashes, records)
         tokens = self._token_info(req.hashes, headers, req.tokens, req.unit_hashes)
-        self._maybe_register(req.ns_id, headers)
-        res = await self.store.reserve(req.ns_id, req.hashes, [len(p) for p in payloads],
-                                       priority=self._priority(req.priority))
+        scope = self.scope(session)
+        store = scope.store
+        _maybe_register(store, req.ns_id, headers)
+        res = await store.reserve(req.ns_id, req.hashes, [len(p) for p in payloads],
+                                  priority=_priority(store, req.priority))
         reserved = [s is PutStatus.RESERVED for s in res.status]
         ok: list[bool] = [False] * len(reserved)
         if res.lease_id:
             session.leases[res.lease_id] = PutLease(req.ns_id, req.hashes, tuple(reserved))
             try:
-                todo = [(self.store.host.view(slot), payload)
+                todo = [(store.host.view(slot), payload)
                         for slot, payload, r in zip(res.slots, payloads, reserved) if r]
                 await run_sized(sum(len(p) for _, p in todo), copy_into, todo)
-                ok = await self._commit_all(res.lease_id, [h if r else None for h, r in zip(headers, reserved)],
-                                            req.ns_id, req.hashes)
+                ok = await _commit_all(store, res.lease_id, [h if r else None for h, r in zip(headers, reserved)],
+                                       req.ns_id, req.hashes)
             except BaseException:
-                self.store.release(res.lease_id)
+                store.release(res.lease_id)
                 raise
             finally:
                 del session.leases[res.lease_id]
-            self._note_tokens(req.ns_id, tokens, ok)
+            _note_tokens(scope, req.ns_id, tokens, ok)
         results = tuple("stored" if done else _PUT_RESULT[status] for done, status in zip(ok, res.status))
         return fr.PutResponse(req.id, results)
 
     async def _get(self, req: fr.GetRequest, session: Session) -> fr.Message:
-        got = await self.store.acquire(req.ns_id, req.hashes)
+        store = self.scope(session).store
+        got = await store.acquire(req.ns_id, req.hashes)
         try:
             budget = self.limits.max_payload_len
             todo: list[tuple[bytes, memoryview]] = []
@@ -180,36 +194,29 @@ class RequestHandler:
                 if size > budget:
                     break  # SPEC §7.4: records that no longer fit are answered nil, as if missing
                 budget -= size
-                todo.append((block.header, self.store.host.view(block.slot)))
+                todo.append((block.header, store.host.view(block.slot)))
             parts = await run_sized(sum(v.nbytes for _, v in todo), copy_out, todo)
         finally:
             if got.lease_id:
-                self.store.release(got.lease_id)
+                store.release(got.lease_id)
         lens = tuple(len(h) + v.nbytes for h, v in todo) + (None,) * (len(req.hashes) - len(todo))
         return fr.GetResponse(req.id, lens, payload=parts)
 
     # --- both paths ----------------------------------------------------------------------------
 
     async def _delete(self, req: fr.DeleteRequest, session: Session) -> fr.Message:
-        return fr.DeleteResponse(req.id, await self.store.delete(req.ns_id, req.hashes))
+        return fr.DeleteResponse(req.id, await self.scope(session).store.delete(req.ns_id, req.hashes))
 
     async def _clear(self, req: fr.ClearRequest, session: Session) -> fr.Message:
-        return fr.ClearResponse(req.id, await self.store.clear(req.ns_id))
+        return fr.ClearResponse(req.id, await self.scope(session).store.clear(req.ns_id))
 
     async def _stats(self, req: fr.StatsRequest, session: Session) -> fr.Message:
-        return fr.StatsResponse(req.id, stats_map(self.ctx))
+        return fr.StatsResponse(req.id, stats_map(self.ctx, self.scope(session).store))
 
     async def _ping(self, req: fr.PingRequest, session: Session) -> fr.Message:
         return fr.PingResponse(req.id)
 
     # --- helpers -------------------------------------------------------------------------------
-
-    def _priority(self, wire_priority: int) -> int:
-        # The wire allows -128..127; the store has priority_classes classes from 0.
-        return max(0, min(wire_priority, self.store.config.priority_classes - 1))
-
-    def _namespace(self, ns_id: bytes) -> Namespace | None:
-        return next((ns for ns in self.store.namespaces() if ns.ns_id == ns_id), None)
 
     @staticmethod
     def _check_commit(req: fr.CommitRequest, info: PutLease) -> None:
@@ -238,47 +245,59 @@ class RequestHandler:
             out[i] = BlockTokens(key, parent, toks, units or ())
         return out
 
-    def _note_tokens(self, ns_id: bytes, tokens: list[BlockTokens | None], ok: list[bool]) -> None:
-        # Called right after the commit returned and before any other await: the store queued
-        # the blocks' events during the commit, and the event pump (another task) can only run
-        # at our next await, so it finds this token info when it publishes those events.
-        blocks = [t for t, done in zip(tokens, ok) if t is not None and done]
-        if blocks:
-            self.ctx.events.note_blocks(ns_id, blocks)
 
-    def _maybe_register(self, ns_id: bytes, headers: Sequence[bytes | None]) -> None:
-        """Register the namespace from the first header's ns_fields when it is not known yet."""
-        if self._namespace(ns_id) is not None:
-            return
-        buf = next((h for h in headers if h is not None), None)
-        if buf is None:
-            return
-        try:
-            fields = decode_header(buf)[0].ns_fields
-            ns = Namespace.from_wire(fields) if fields is not None else None
-        except KVTierError:
-            return  # a bad header is refused by the commit itself; bad ns_fields are informative
-        if ns is not None and ns.ns_id == ns_id:
-            self.store.register_namespace(ns)
-            log.info("registered namespace %s (%s)", ns_id.hex(), ns.model)
+def _priority(store: TieredStore, wire_priority: int) -> int:
+    # The wire allows -128..127; the store has priority_classes classes from 0.
+    return max(0, min(wire_priority, store.config.priority_classes - 1))
 
-    async def _commit_all(self, lease_id: int, headers: Sequence[bytes | None], ns_id: bytes,
-                          hashes: Sequence[bytes]) -> list[bool]:
-        """store.commit, made all or nothing: if a written key fails (bad payload found by
-        ``verify_on_commit``, failed write-through), the keys it did make visible are deleted."""
-        cfg = self.store.config
-        verified = cfg.verify_on_commit or cfg.write_through  # else commit cannot fail per key
-        before = self.store.counters.checksum_failures if verified else 0
-        ok = await self.store.commit(lease_id, headers)
-        failed = [i for i, buf in enumerate(headers) if buf is not None and not ok[i]]
-        if not failed:
-            return ok
-        await self.store.delete(ns_id, [h for h, done in zip(hashes, ok) if done])
-        if self.store.counters.checksum_failures > before:
-            raise ChecksumMismatch(f"{len(failed)} payloads do not match their header checksums; "
-                                   "nothing was committed")
-        raise StorageError(f"{len(failed)} blocks could not be written through to disk; "
-                           "nothing was committed")
+
+def _namespace(store: TieredStore, ns_id: bytes) -> Namespace | None:
+    return next((ns for ns in store.namespaces() if ns.ns_id == ns_id), None)
+
+
+def _note_tokens(scope: Scope, ns_id: bytes, tokens: list[BlockTokens | None], ok: list[bool]) -> None:
+    # Called right after the commit returned and before any other await: the store queued
+    # the blocks' events during the commit, and the event pump (another task) can only run
+    # at our next await, so it finds this token info when it publishes those events.
+    blocks = [t for t, done in zip(tokens, ok) if t is not None and done]
+    if blocks:
+        scope.events.note_blocks(ns_id, blocks)
+
+
+def _maybe_register(store: TieredStore, ns_id: bytes, headers: Sequence[bytes | None]) -> None:
+    """Register the namespace from the first header's ns_fields when it is not known yet."""
+    if _namespace(store, ns_id) is not None:
+        return
+    buf = next((h for h in headers if h is not None), None)
+    if buf is None:
+        return
+    try:
+        fields = decode_header(buf)[0].ns_fields
+        ns = Namespace.from_wire(fields) if fields is not None else None
+    except KVTierError:
+        return  # a bad header is refused by the commit itself; bad ns_fields are informative
+    if ns is not None and ns.ns_id == ns_id:
+        store.register_namespace(ns)
+        log.info("registered namespace %s (%s)", ns_id.hex(), ns.model)
+
+
+async def _commit_all(store: TieredStore, lease_id: int, headers: Sequence[bytes | None], ns_id: bytes,
+                      hashes: Sequence[bytes]) -> list[bool]:
+    """store.commit, made all or nothing: if a written key fails (bad payload found by
+    ``verify_on_commit``, failed write-through), the keys it did make visible are deleted."""
+    cfg = store.config
+    verified = cfg.verify_on_commit or cfg.write_through  # else commit cannot fail per key
+    before = store.counters.checksum_failures if verified else 0
+    ok = await store.commit(lease_id, headers)
+    failed = [i for i, buf in enumerate(headers) if buf is not None and not ok[i]]
+    if not failed:
+        return ok
+    await store.delete(ns_id, [h for h, done in zip(hashes, ok) if done])
+    if store.counters.checksum_failures > before:
+        raise ChecksumMismatch(f"{len(failed)} payloads do not match their header checksums; "
+                               "nothing was committed")
+    raise StorageError(f"{len(failed)} blocks could not be written through to disk; "
+                       "nothing was committed")
 
 
 _NOT_RESERVED = {PutStatus.STORED: fr.EXISTS, PutStatus.PENDING: fr.EXISTS, PutStatus.FULL: None}
@@ -290,9 +309,10 @@ def _slot_ref(slot: Slot) -> fr.SlotRef:
     return (slot.segment, slot.offset, slot.length)
 
 
-def stats_map(ctx: DaemonContext) -> dict[str, Any]:
-    """The ``stats`` response map: store counters, tier gauges and server facts (informative)."""
-    store = ctx.store
+def stats_map(ctx: DaemonContext, store: TieredStore | None = None) -> dict[str, Any]:
+    """The ``stats`` response map of ``store`` (default: the default store): store counters,
+    tier gauges and server facts (informative)."""
+    store = store if store is not None else ctx.store
     counters = store.counters
     gauges = store.gauges()
     out: dict[str, Any] = {f: getattr(counters, f) for f in counters.__slots__ if f != "tiers"}

@@ -7,6 +7,10 @@ by :class:`StoreCollector` (aesthetics convention 11: counters stay plain datacl
 at the edge). :data:`STORE_COUNTERS`, :data:`TIER_COUNTERS` and the gauge tables map each field
 of kvtier/store/stats.py to one metric, so exporting a new store counter is one line.
 
+Every store metric carries a ``tenant`` label: the tenant's name for a tenant's store, ``""``
+for the default store (Prometheus treats an empty label as absent, so queries written before
+tenants existed still select the default store).
+
 GPU memory and utilisation come from NVML (nvidia-ml-py) when a GPU is present; without one (or
 without the driver library) those metrics are simply absent. Nothing here carries a secret: no
 label holds a token, a tenant salt or a namespace.
@@ -117,7 +121,8 @@ def _label(value: str) -> str:
 
 
 class StoreCollector(Collector):
-    """Reads the bound store's counters and gauges at each scrape; yields nothing until bound."""
+    """Reads the bound stores' counters and gauges at each scrape (the default store and every
+    tenant's, label ``tenant``); yields nothing until bound."""
 
     def __init__(self) -> None:
         self.ctx: DaemonContext | None = None
@@ -126,21 +131,29 @@ class StoreCollector(Collector):
         ctx = self.ctx
         if ctx is None:
             return
-        counters, gauges = ctx.store.counters, ctx.store.gauges()
+        stores = [(scope.label, scope.store.counters, scope.store.gauges()) for scope in ctx.scopes()]
         for e in STORE_COUNTERS:
-            yield CounterMetricFamily(e.name, e.doc, value=getattr(counters, e.field))
+            fam = CounterMetricFamily(e.name, e.doc, labels=["tenant"])
+            for tenant, counters, _ in stores:
+                fam.add_metric([tenant], getattr(counters, e.field))
+            yield fam
         for e in TIER_COUNTERS:
-            fam = CounterMetricFamily(e.name, e.doc, labels=["tier"])
-            for tier in STORE_TIERS:
-                fam.add_metric([tier_label(tier)], getattr(counters.tiers[tier], e.field))
+            fam = CounterMetricFamily(e.name, e.doc, labels=["tenant", "tier"])
+            for tenant, counters, _ in stores:
+                for tier in STORE_TIERS:
+                    fam.add_metric([tenant, tier_label(tier)], getattr(counters.tiers[tier], e.field))
             yield fam
         for e in STORE_GAUGES:
-            yield GaugeMetricFamily(e.name, e.doc, value=getattr(gauges, e.field))
+            fam = GaugeMetricFamily(e.name, e.doc, labels=["tenant"])
+            for tenant, _, gauges in stores:
+                fam.add_metric([tenant], getattr(gauges, e.field))
+            yield fam
         for e in TIER_GAUGES:
-            fam = GaugeMetricFamily(e.name, e.doc, labels=["tier"])
-            for tier in STORE_TIERS:
-                if tier in gauges.tiers:
-                    fam.add_metric([tier_label(tier)], getattr(gauges.tiers[tier], e.field))
+            fam = GaugeMetricFamily(e.name, e.doc, labels=["tenant", "tier"])
+            for tenant, _, gauges in stores:
+                for tier in STORE_TIERS:
+                    if tier in gauges.tiers:
+                        fam.add_metric([tenant, tier_label(tier)], getattr(gauges.tiers[tier], e.field))
             yield fam
         yield GaugeMetricFamily("kvtier_ready", "1 once the daemon serves, 0 while starting or stopping.",
                                 value=1.0 if ctx.ready else 0.0)
@@ -239,7 +252,8 @@ class Metrics:
         return self._gpu is not None
 
     def bind(self, ctx: DaemonContext) -> None:
-        """Export ``ctx.store``'s counters and gauges (read at each scrape) and ``ctx.ready``."""
+        """Export the counters and gauges of ``ctx.store`` and of each tenant's store (read at each
+        scrape), and ``ctx.ready``."""
         self._store.ctx = ctx
 
     def observe_request(self, op: str, status: str, seconds: float) -> None:

@@ -59,6 +59,7 @@ SCHEMAS: dict[str, Any] = {
     "Health": _obj({"status": {"const": "ok"}, "version": _STR, "uptime_s": _NUM}),
     "Ready": _obj({"ready": {"const": True}}),
     "Stats": _obj({"version": _STR, "uptime_s": _NUM, "ready": {"type": "boolean"},
+                   "tenant": {**_nullable(_STR), "description": "the tenant whose store this is; null: default"},
                    "counters": {"type": "object", "description": "store counters (StoreCounters), per tier too"},
                    "gauges": {"type": "object", "description": "store gauges (StoreGauges), per tier too"}}),
     "Tier": _obj({"tier": _TIER, "medium": _STR, "enabled": {"type": "boolean"}, "capacity_bytes": _INT,
@@ -87,6 +88,10 @@ SCHEMAS: dict[str, Any] = {
     "ClearRequest": _obj({"ns": _NS_HEX}),
     "Cleared": _obj({"cleared": _INT}),
     "Deleted": _obj({"deleted": {"const": 1}}),
+    "Tenant": _obj({"name": _STR, "blocks": _INT,
+                    "tiers": {"type": "object", "description": "keys: gpu, host, disk",
+                              "additionalProperties": _obj({"capacity_bytes": _INT, "used_bytes": _INT,
+                                                            "blocks": _INT})}}),
     "CheckRequest": _obj({"fix": {"type": "boolean", "default": False}}, ()),
     "CheckReport": _obj({
         "ok": {"type": "boolean"}, "fixed": {"type": "boolean"},
@@ -101,7 +106,7 @@ SCHEMAS: dict[str, Any] = {
 }
 
 _ERRORS = {"400": "malformed request (bad JSON, bad hex, bad argument)", "401": "missing or wrong token",
-           "404": "no such block or namespace", "413": "body or token list too large",
+           "404": "no such block, namespace or tenant", "413": "body or token list too large",
            "429": "busy, retry later", "500": "internal error", "503": "not ready"}
 
 
@@ -128,8 +133,11 @@ def _param(name: str, where: str, schema: dict[str, Any], description: str) -> d
     return {"name": name, "in": where, "required": where == "path", "schema": schema, "description": description}
 
 
+_TENANT = _param("tenant", "query", {"type": "string", "pattern": "^[a-z0-9_-]{1,32}$"},
+                 "the tenant whose store to use (admin token; a tenant token may name only itself); "
+                 "default: the token's tenant, else the default store")
 _BLOCK_PARAMS = [_param("ns", "path", _NS_HEX, "namespace id"),
-                 _param("hash", "path", _HEX, "chain hash (hash_bytes bytes) as hex")]
+                 _param("hash", "path", _HEX, "chain hash (hash_bytes bytes) as hex"), _TENANT]
 
 
 def _json_ok(name: str, description: str) -> dict[str, Any]:
@@ -141,37 +149,43 @@ def _paths() -> dict[str, Any]:
         "/v1/health": {"get": _op("health", "Liveness: the process answers", _json_ok("Health", "alive"))},
         "/v1/ready": {"get": _op("ready", "Readiness: 200 once serving, 503 while starting or stopping",
                                  _json_ok("Ready", "serving"), ("503",))},
-        "/v1/stats": {"get": _op("stats", "Store counters and gauges", _json_ok("Stats", "counters and gauges"))},
+        "/v1/stats": {"get": _op("stats", "Store counters and gauges", _json_ok("Stats", "counters and gauges"),
+                                 ("401", "404"), params=[_TENANT])},
         "/v1/tiers": {"get": _op("tiers", "Capacity, use and traffic of each tier",
-                                 _json(_obj({"tiers": {"type": "array", "items": _ref("Tier")}}), "tiers"))},
+                                 _json(_obj({"tiers": {"type": "array", "items": _ref("Tier")}}), "tiers"),
+                                 ("401", "404"), params=[_TENANT])},
         "/v1/namespaces": {"get": _op("namespaces", "Registered namespaces and namespaces holding blocks",
                                       _json(_obj({"namespaces": {"type": "array", "items": _ref("Namespace")}}),
-                                            "namespaces (tenant salts redacted)"))},
+                                            "namespaces (tenant salts redacted)"), ("401", "404"), params=[_TENANT])},
+        "/v1/tenants": {"get": _op("tenants", "The tenants this token may see (admin: all; a tenant: itself)",
+                                   _json(_obj({"tenants": {"type": "array", "items": _ref("Tenant")}}), "tenants"),
+                                   ("401",), token=True)},
         "/v1/blocks": {"get": _op(
             "blocks", "Committed blocks in key order, one page at a time", _json_ok("BlockPage", "a page"),
-            ("400",), params=[
-                _param("ns", "query", _NS_HEX, "only this namespace"),
+            ("400", "401", "404"), params=[
+                _param("ns", "query", _NS_HEX, "only this namespace"), _TENANT,
                 _param("tier", "query", _TIER, "only blocks with a copy in this tier"),
                 _param("limit", "query", {"type": "integer", "minimum": 1, "maximum": MAX_PAGE,
                                           "default": DEFAULT_PAGE}, "page size"),
                 _param("cursor", "query", _STR, "next_cursor of the previous page (opaque)")])},
         "/v1/blocks/{ns}/{hash}": {
             "get": _op("block", "One block: decoded header, tiers, size, hits, age",
-                       _json_ok("BlockDetail", "the block"), ("400", "404"), params=_BLOCK_PARAMS),
+                       _json_ok("BlockDetail", "the block"), ("400", "401", "404"), params=_BLOCK_PARAMS),
             "delete": _op("delete_block", "Remove a block from every tier", _json_ok("Deleted", "removed"),
                           ("400", "401", "404"), params=_BLOCK_PARAMS, token=True),
         },
         "/v1/lookup": {"post": _op("lookup", "Hit tokens per tier for a prompt's token ids",
-                                   _json_ok("LookupResult", "the stored prefix"), ("400", "404", "413"),
-                                   body="LookupRequest")},
+                                   _json_ok("LookupResult", "the stored prefix"), ("400", "401", "404", "413"),
+                                   body="LookupRequest", params=[_TENANT])},
         "/v1/clear": {"post": _op("clear", "Remove every block of a namespace", _json_ok("Cleared", "removed"),
-                                  ("400", "401", "413"), body="ClearRequest", token=True)},
+                                  ("400", "401", "404", "413"), body="ClearRequest", token=True, params=[_TENANT])},
         "/v1/check": {"post": _op("check", "Audit the index against the tiers, optionally repairing",
-                                  _json_ok("CheckReport", "the audit"), ("400", "401", "413"),
-                                  body="CheckRequest", token=True)},
+                                  _json_ok("CheckReport", "the audit"), ("400", "401", "404", "413"),
+                                  body="CheckRequest", token=True, params=[_TENANT])},
         "/v1/events": {"get": _op("events", "KV events as server-sent events (one JSON object per data line)",
                                   {"description": "an endless event stream",
-                                   "content": {"text/event-stream": {"schema": _STR}}})},
+                                   "content": {"text/event-stream": {"schema": _STR}}}, ("401", "404"),
+                                  params=[_TENANT])},
         "/metrics": {"get": _op("metrics", "Prometheus text exposition",
                                 {"description": "metrics", "content": {"text/plain": {"schema": _STR}}})},
         "/openapi.json": {"get": _op("openapi", "This document",
@@ -185,7 +199,8 @@ def openapi_document(version: str) -> dict[str, Any]:
         "openapi": "3.1.0",
         "info": {"title": "kvtier daemon REST API", "version": version,
                  "description": "Inspection and administration of a kvtier daemon. Errors are JSON "
-                                "{\"error\": {\"code\", \"message\"}}; mutations need the daemon's token."},
+                                "{\"error\": {\"code\", \"message\"}}; mutations need the daemon's token. "
+                                "A tenant's token scopes every store route to that tenant's store."},
         "servers": [{"url": "http://127.0.0.1:7471"}],
         "paths": _paths(),
         "components": {

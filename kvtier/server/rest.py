@@ -6,6 +6,12 @@
     GET    /v1/blocks?ns=&tier=&limit=&cursor=      GET /v1/blocks/{ns}/{hash}
     POST   /v1/lookup                               (read-only)
     DELETE /v1/blocks/{ns}/{hash}   POST /v1/clear   POST /v1/check      (token: Authorization: Bearer)
+    GET    /v1/tenants                              (a token: the tenants it may see)
+
+Tenants (:mod:`kvtier.server.tenancy`): every store route (stats, tiers, namespaces, blocks,
+lookup, delete, clear, check, events) serves one store. A tenant's token selects its own store
+(another tenant's block is a 404 like a missing one); the admin token the default store, or
+``?tenant=NAME``; no token the default store, read-only. A token that is presented must be valid.
 
 One middleware turns every error into a JSON body ``{"error": {"code", "message"}}`` (the codes
 are the wire codes of kvtier_protocol.errors) and counts each request in the metrics as
@@ -28,11 +34,14 @@ from kvtier_protocol.errors import (Busy, InvalidKey, InvalidRequest, KVTierErro
 from kvtier_protocol.namespace import NS_ID_LEN
 
 from kvtier.server import rest_views as views
+from kvtier.server.auth import Principal
 from kvtier.server.openapi import openapi_document
+from kvtier.server.tenancy import rest_scope
 from kvtier.store.types import split_key
 
 if TYPE_CHECKING:
-    from kvtier.server.context import DaemonContext
+    from kvtier.server.context import DaemonContext, Scope
+    from kvtier.store.store import TieredStore
 
 log = logging.getLogger(__name__)
 
@@ -118,10 +127,32 @@ def _ctx(request: web.Request) -> DaemonContext:
     return request.app[CTX_KEY]
 
 
-def _require_token(request: web.Request) -> None:
+def _principal(request: web.Request) -> Principal | None:
+    """Who sent the request: None without a token.
+
+    Raises:
+        Unauthorized: a token was presented and it is nobody's (whatever the route).
+    """
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     presented = token.strip() if scheme.lower() == "bearer" and token.strip() else None
-    _ctx(request).auth.require(presented)
+    auth = _ctx(request).auth
+    principal = auth.identify(presented)
+    if presented is not None and principal is None:
+        raise Unauthorized("wrong token")
+    return principal
+
+
+def _scope(request: web.Request, *, mutating: bool = False) -> Scope:
+    """The store (and event hub) the request may reach (see the module docstring).
+
+    Raises:
+        Unauthorized: a wrong token; no token for a mutating call or for a tenant.
+        NotFound: a tenant that does not exist or that this token may not see.
+    """
+    principal = _principal(request)
+    if mutating and principal is None:
+        raise Unauthorized("a valid token is required")
+    return rest_scope(_ctx(request), principal, request.query.get("tenant"))
 
 
 async def _body(request: web.Request) -> dict[str, Any]:
@@ -152,21 +183,23 @@ def _uptime(ctx: DaemonContext) -> float:
 @routes.get("/v1/stats", name="stats")
 async def stats(request: web.Request) -> web.Response:
     ctx = _ctx(request)
-    store = ctx.store
+    scope = _scope(request)
+    store = scope.store
     return web.json_response({"version": ctx.version, "uptime_s": _uptime(ctx), "ready": ctx.ready,
+                              "tenant": scope.tenant,
                               "counters": views.counters_view(store.counters),
                               "gauges": views.gauges_view(store.gauges())})
 
 
 @routes.get("/v1/tiers", name="tiers")
 async def tiers(request: web.Request) -> web.Response:
-    store = _ctx(request).store
+    store = _scope(request).store
     return web.json_response({"tiers": views.tiers_view(store.counters, store.gauges())})
 
 
 @routes.get("/v1/namespaces", name="namespaces")
 async def namespaces(request: web.Request) -> web.Response:
-    store = _ctx(request).store
+    store = _scope(request).store
     counts: dict[bytes, int] = {}
     for meta in store.index.blocks():
         if meta.committed:
@@ -183,7 +216,7 @@ async def namespaces(request: web.Request) -> web.Response:
 @routes.get("/v1/blocks", name="blocks")
 async def blocks(request: web.Request) -> web.Response:
     """One page of committed blocks in key order; ``next_cursor`` is null on the last page."""
-    store = _ctx(request).store
+    store = _scope(request).store
     q = request.query
     ns_id = views.parse_ns(q["ns"]) if "ns" in q else None
     tier = views.parse_tier(q.get("tier"))
@@ -200,16 +233,15 @@ async def blocks(request: web.Request) -> web.Response:
                               "next_cursor": views.encode_cursor(keys[limit - 1]) if len(keys) > limit else None})
 
 
-def _block_key(request: web.Request) -> tuple[bytes, bytes]:
-    store = _ctx(request).store
+def _block_key(request: web.Request, store: TieredStore) -> tuple[bytes, bytes]:
     return (views.parse_ns(request.match_info["ns"]),
             views.parse_hex(request.match_info["hash"], "hash", store.config.hash_bytes))
 
 
 @routes.get("/v1/blocks/{ns}/{hash}", name="block")
 async def block(request: web.Request) -> web.Response:
-    store = _ctx(request).store
-    info = store.info(*_block_key(request))
+    store = _scope(request).store
+    info = store.info(*_block_key(request, store))
     if info is None:
         raise NotFound("no such block")
     return web.json_response(views.block_detail(info, store.now(), time.time()))
@@ -217,42 +249,43 @@ async def block(request: web.Request) -> web.Response:
 
 @routes.delete("/v1/blocks/{ns}/{hash}", name="delete_block")
 async def delete_block(request: web.Request) -> web.Response:
-    _require_token(request)
-    ns_id, chain_hash = _block_key(request)
-    if not await _ctx(request).store.delete(ns_id, [chain_hash]):
+    store = _scope(request, mutating=True).store
+    ns_id, chain_hash = _block_key(request, store)
+    if not await store.delete(ns_id, [chain_hash]):
         raise NotFound("no such block")
     return web.json_response({"deleted": 1})
 
 
 @routes.post("/v1/clear", name="clear")
 async def clear(request: web.Request) -> web.Response:
-    _require_token(request)
+    store = _scope(request, mutating=True).store
     ns_id = views.parse_ns((await _body(request)).get("ns"))
-    return web.json_response({"cleared": await _ctx(request).store.clear(ns_id)})
+    return web.json_response({"cleared": await store.clear(ns_id)})
 
 
 @routes.post("/v1/check", name="check")
 async def check(request: web.Request) -> web.Response:
-    _require_token(request)
+    store = _scope(request, mutating=True).store
     fix = (await _body(request)).get("fix", False) if request.body_exists else False
     if not isinstance(fix, bool):
         raise InvalidRequest("fix must be true or false")
-    return web.json_response(views.check_view(await _ctx(request).store.check(fix=fix)))
+    return web.json_response(views.check_view(await store.check(fix=fix)))
 
 
 @routes.post("/v1/lookup", name="lookup")
 async def lookup(request: web.Request) -> web.Response:
     """Hash the token ids with the registered namespace's scheme, then look the keys up."""
     ctx = _ctx(request)
+    store = _scope(request).store
     body = await _body(request)
     ns_id = views.parse_ns(body.get("ns"))
     tokens = views.parse_token_ids(body.get("token_ids"))
-    ns = next((n for n in ctx.store.namespaces() if n.ns_id == ns_id), None)
+    ns = next((n for n in store.namespaces() if n.ns_id == ns_id), None)
     if ns is None:
         raise NotFound(f"namespace {ns_id.hex()} is not registered")
     # Hashing a long prompt takes milliseconds: keep it off the event loop.
     keys = await asyncio.to_thread(ns.block_keys, tokens)
-    found = ctx.store.lookup(ns_id, keys)
+    found = store.lookup(ns_id, keys)
     per_tier: dict[str, int] = {}
     for tier in found.tiers:
         label = views.tier_label(tier)
@@ -263,19 +296,30 @@ async def lookup(request: web.Request) -> web.Response:
                               "hit_blocks": found.num_hits, "block_tokens": ns.block_tokens, "per_tier": per_tier})
 
 
+@routes.get("/v1/tenants", name="tenants")
+async def tenants(request: web.Request) -> web.Response:
+    """The tenants this token may see (the admin: all; a tenant: itself), with their tiers' use."""
+    ctx = _ctx(request)
+    principal = _principal(request)
+    if principal is None:
+        raise Unauthorized("listing tenants needs a token")
+    names = sorted(ctx.tenants) if principal.admin else [principal.tenant]
+    return web.json_response({"tenants": [views.tenant_view(n, ctx.tenants[n].store.gauges()) for n in names]})
+
+
 # --- streams and documents ----------------------------------------------------------------------
 
 
 @routes.get("/v1/events", name="events")
 async def events(request: web.Request) -> web.StreamResponse:
     """Server-sent events: one ``data:`` line of JSON per KV event; a comment as heartbeat."""
-    ctx = _ctx(request)
+    hub = _scope(request).events
     stopping = request.app[STOPPING_KEY]
     heartbeat = request.app[HEARTBEAT_KEY]
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                        "X-Accel-Buffering": "no"})
     await resp.prepare(request)
-    queue = ctx.events.subscribe()
+    queue = hub.subscribe()
     stop = asyncio.ensure_future(stopping.wait())
     get: asyncio.Future[Any] | None = None
     try:
@@ -298,7 +342,7 @@ async def events(request: web.Request) -> web.StreamResponse:
         stop.cancel()
         if get is not None:
             get.cancel()
-        ctx.events.unsubscribe(queue)
+        hub.unsubscribe(queue)
     return resp
 
 

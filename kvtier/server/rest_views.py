@@ -180,6 +180,13 @@ def tiers_view(c: StoreCounters, g: StoreGauges) -> list[dict[str, Any]]:
     return out
 
 
+def tenant_view(name: str, g: StoreGauges) -> dict[str, Any]:
+    """One entry of ``/v1/tenants``: the tenant's name, blocks, and each tier's use."""
+    return {"name": name, "blocks": g.blocks,
+            "tiers": {tier_label(t): {"capacity_bytes": tg.capacity_bytes, "used_bytes": tg.used_bytes,
+                                      "blocks": tg.blocks} for t, tg in g.tiers.items()}}
+
+
 def block_view(info: BlockInfo, now: float) -> dict[str, Any]:
     """One entry of ``/v1/blocks``. ``idle_s``: seconds since the last commit, acquire or touch."""
     return {"ns": info.ns_id.hex(), "hash": info.chain_hash.hex(),

@@ -16,6 +16,7 @@ from kvtier.config import (GIB, MIB, AuthConfig, ConfigError, DaemonConfig, Data
                            RestConfig, load_config, parse_size, split_hostport)
 from kvtier.config_sources import (ENV_ALIASES, OPTIONS, SECTIONS, default_host_bytes, env_name,
                                    nvidia_driver_present)
+from kvtier.config_tenants import TENANT_KEYS, TenantConfig
 from kvtier_protocol.errors import InvalidRequest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -115,11 +116,14 @@ def test_the_shipped_toml_mentions_every_option_in_its_section() -> None:
         elif section and (m := re.match(r"#? ?(\w+) = ", line)):
             seen.add(f"{section}.{m.group(1)}")
     assert set(OPTIONS) <= seen, f"missing from configs/kvtier.toml: {sorted(set(OPTIONS) - seen)}"
-    nested = {f.name for f in dataclasses.fields(DaemonConfig)} - {"data_dir", "log_level", "drain_timeout_s"}
+    nested = {f.name for f in dataclasses.fields(DaemonConfig)} - {"data_dir", "log_level", "drain_timeout_s",
+                                                                    "tenants"}
     assert nested == set(SECTIONS) - {"daemon"}
     for name, cls in SECTIONS.items():
         for f in dataclasses.fields(cls):
-            assert f.name in nested or f"{name}.{f.name}" in seen
+            assert f.name in nested or f"{name}.{f.name}" in seen or (name, f.name) == ("daemon", "tenants")
+    for key in TENANT_KEYS:  # the tenant tables are documented by a commented example
+        assert re.search(rf"^# {key} = ", text, re.M), key
 
 
 # --- precedence ----------------------------------------------------------------------------------
@@ -233,3 +237,75 @@ def test_sections_validate_when_built_directly() -> None:
         DataPlaneConfig("/tmp/s.sock", max_batch=2.5)  # type: ignore[arg-type]
     cfg = load_config(env=ENV, overrides={"dataplane.max_payload_bytes": "8MiB"})
     assert cfg.dataplane.max_payload_bytes == 8 * MIB
+
+
+# --- tenants ---------------------------------------------------------------------------------------
+
+TENANTS = '''
+[store]
+host_name_prefix = "kv"
+host_segment_bytes = "2MiB"
+[events]
+topic = "kv@pod@model"
+[tenants.bob]
+host_bytes = "1MiB"
+disk_bytes = 0
+token = "bob-token-0123456789"
+[tenants.alice]
+host_bytes = "64MiB"
+disk_bytes = "1GiB"
+gpu_bytes = 0
+token_file = "~/alice.token"
+events_endpoint = "tcp://127.0.0.1:5600"
+events_replay_endpoint = "off"
+'''
+
+
+def test_tenants_from_the_file(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, TENANTS), env={**ENV, "KVTIER_DATA_DIR": str(tmp_path / "d")})
+    alice, bob = cfg.tenants
+    assert (alice.name, alice.host_bytes, alice.disk_bytes, alice.token_file) == (
+        "alice", 64 * MIB, GIB, os.path.expanduser("~/alice.token"))
+    assert (bob.name, bob.host_bytes, bob.disk_bytes, bob.token) == ("bob", MIB, 0, "bob-token-0123456789")
+    assert "bob-token-0123456789" not in repr(cfg) and "<set>" in repr(bob)
+    a_store, b_store = alice.store_config(cfg.store, cfg.data_dir), bob.store_config(cfg.store, cfg.data_dir)
+    assert a_store.host_name_prefix == "kv-t-alice" and a_store.host_segment_bytes == 2 * MIB
+    assert a_store.disk_path == str(tmp_path / "d" / "tenants" / "alice" / "disk")
+    assert b_store.disk_path is None and b_store.host_segment_bytes == MIB
+    assert cfg.store.host_name_prefix == "kv" and cfg.store.disk_path == str(tmp_path / "d" / "disk")  # unchanged
+    events = alice.events_config(cfg.events)
+    assert (events.endpoint, events.replay_endpoint, events.topic) == ("tcp://127.0.0.1:5600", None,
+                                                                       "kv@pod@model/alice")
+    assert bob.events_config(cfg.events).endpoint is None  # opt-in: no ZMQ for bob
+    assert load_config(env=ENV).tenants == ()
+
+
+@pytest.mark.parametrize("text, match", [
+    ('[tenants]\nalice = 3\n', "must be a table"),
+    ('[tenants.Alice]\nhost_bytes = 1\ndisk_bytes = 0\n', "tenant name"),
+    ('[tenants.alice]\nhost_bytes = "1MiB"\n', "needs disk_bytes"),
+    ('[tenants.alice]\nhost_bytes = 0\ndisk_bytes = 0\n', "host_bytes must be > 0"),
+    ('[tenants.alice]\nhost_bytes = "lots"\ndisk_bytes = 0\n', r"tenants\.alice\.host_bytes"),
+    ('[tenants.alice]\nhost_bytes = 1\ndisk_bytes = 0\ncolour = "red"\n', "unknown key"),
+    ('[tenants.alice]\nhost_bytes = 1\ndisk_bytes = 0\ntoken = "short"\n', "at least 16"),
+    ('[tenants.alice]\nhost_bytes = 1\ndisk_bytes = 0\nevents_endpoint = "udp://x"\n', "ZMQ endpoint"),
+    ('[store]\nwrite_through = true\n[tenants.alice]\nhost_bytes = 1\ndisk_bytes = 0\n', "write_through"),
+    ('[store]\nhost_name_prefix = "' + "p" * 60 + '"\n[tenants.alice]\nhost_bytes = 1\ndisk_bytes = 0\n',
+     "host_name_prefix"),
+    ('[auth]\ntoken = "same-token-0123456789"\n[tenants.alice]\nhost_bytes = 1\ndisk_bytes = 0\n'
+     'token = "same-token-0123456789"\n', "share a token"),
+])
+def test_bad_tenants_are_config_errors(tmp_path: Path, text: str, match: str) -> None:
+    with pytest.raises(ConfigError, match=match) as exc:
+        load_config(write(tmp_path, text), env=ENV)
+    assert "same-token-0123456789" not in str(exc.value)
+
+
+def test_tenants_validate_when_built_directly(tmp_path: Path) -> None:
+    base = load_config(env=ENV)
+    alice = TenantConfig("alice", MIB, 0)
+    assert dataclasses.replace(base, tenants=(alice,)).tenants == (alice,)
+    with pytest.raises(ConfigError, match="unique"):
+        dataclasses.replace(base, tenants=(alice, alice))
+    with pytest.raises(ConfigError, match="tuple of TenantConfig"):
+        dataclasses.replace(base, tenants=[alice])  # type: ignore[arg-type]

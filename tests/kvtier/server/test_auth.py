@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 import logging
 import os
 import stat
@@ -10,7 +11,8 @@ import pytest
 from kvtier_protocol.errors import Unauthorized
 
 from kvtier.config import AuthConfig, ConfigError
-from kvtier.server.auth import Auth, TokenFileError
+from kvtier.config_tenants import TenantConfig
+from kvtier.server.auth import Auth, Principal, TokenFileError
 
 SECRET = "s3cret-token-value"
 
@@ -117,3 +119,65 @@ def test_uncreatable_token_file_is_a_typed_error(tmp_path):
     blocker.write_text("")
     with pytest.raises(TokenFileError, match="Not a directory"):
         Auth.from_config(AuthConfig(token_file=str(blocker / "token")), str(tmp_path))
+
+
+# --- tenants ---------------------------------------------------------------------------------------
+
+TENANT_A, TENANT_B = "alice-token-0123456789", "bob-token-0123456789"
+
+
+def test_identify_maps_each_token_to_its_principal():
+    auth = Auth(SECRET, tenants={"alice": TENANT_A, "bob": TENANT_B})
+    assert auth.identify(SECRET) == Principal(None, True)
+    assert auth.identify(TENANT_A) == Principal("alice", False)
+    assert auth.identify(TENANT_B) == Principal("bob", False)
+    for wrong in (None, "", TENANT_A + "x", "\udcff", SECRET[:-1]):
+        assert auth.identify(wrong) is None
+    assert auth.check(SECRET) and not auth.check(TENANT_A)  # only the admin's token is "the" token
+    assert auth.required and auth.tenants == {"alice", "bob"}
+    assert all(t not in repr(auth) for t in (SECRET, TENANT_A, TENANT_B))
+
+
+def test_without_tokens_everyone_is_the_admin_but_tenant_tokens_still_select():
+    assert Auth(None).identify(None) == Auth(None).identify("x") == Principal(None, True)
+    auth = Auth(None, tenants={"alice": TENANT_A})
+    assert auth.required and auth.identify(TENANT_A) == Principal("alice", False)
+    assert auth.identify("other-text") is None
+
+
+def test_identify_compares_every_token(monkeypatch):
+    # No early exit: which principal matched (or whether one did) must not show in the work done.
+    auth = Auth(SECRET, tenants={"alice": TENANT_A, "bob": TENANT_B})
+    calls = []
+    real = hmac.compare_digest
+    monkeypatch.setattr(hmac, "compare_digest", lambda a, b: calls.append(1) or real(a, b))
+    for token in (SECRET, TENANT_A, TENANT_B, "nobody-0123456789"):
+        calls.clear()
+        auth.identify(token)
+        assert len(calls) == 3
+
+
+def test_shared_tokens_are_refused():
+    with pytest.raises(TokenFileError, match="share a token"):
+        Auth(SECRET, tenants={"alice": SECRET})
+    with pytest.raises(TokenFileError, match="share a token"):
+        Auth(None, tenants={"alice": TENANT_A, "bob": TENANT_A})
+    with pytest.raises(TokenFileError, match="whitespace"):
+        Auth(SECRET, tenants={"alice": "has space inside it"})
+
+
+def test_tenant_tokens_from_config_and_generated_files(tmp_path):
+    given = tmp_path / "bob.token"
+    given.write_text(TENANT_B + "\n")
+    given.chmod(0o600)
+    tenants = (TenantConfig("alice", 1 << 20, 0), TenantConfig("bob", 1 << 20, 0, token_file=str(given)),
+               TenantConfig("carol", 1 << 20, 0, token=TENANT_A))
+    auth = Auth.from_config(AuthConfig(token=SECRET), str(tmp_path), tenants)
+    generated = tmp_path / "tenants" / "alice" / "token"
+    assert stat.S_IMODE(generated.stat().st_mode) == 0o600
+    assert auth.identify(generated.read_text().strip()) == Principal("alice", False)
+    assert auth.identify(TENANT_B) == Principal("bob", False)
+    assert auth.identify(TENANT_A) == Principal("carol", False)
+    given.chmod(0o644)
+    with pytest.raises(TokenFileError, match="group or others"):
+        Auth.from_config(AuthConfig(token=SECRET), str(tmp_path), tenants)

@@ -100,21 +100,26 @@ def test_tables_cover_every_store_field():
 async def test_store_values_are_read_at_scrape(tmp_path):
     async with open_ctx(tmp_path) as ctx:
         m = ctx.metrics
-        assert value(m, "kvtier_commits_total") == 0
+        assert value(m, "kvtier_commits_total", tenant="") == 0
         assert value(m, "kvtier_ready") == 1
         await put_tokens(ctx.store, tokens_for(12))  # 8 host blocks: 4 are demoted to disk
         s = samples(m)
-        assert s[("kvtier_commits_total", ())] == 12
-        assert s[("kvtier_demotions_total", ())] == 4
-        assert s[("kvtier_tier_evictions_total", (("tier", "host"),))] == 4
-        assert s[("kvtier_tier_demotions_total", (("tier", "host"),))] == 4
-        assert s[("kvtier_tier_written_bytes_total", (("tier", "disk"),))] > 0
-        assert s[("kvtier_tier_blocks", (("tier", "host"),))] == 8
-        assert s[("kvtier_tier_blocks", (("tier", "disk"),))] == 4
-        assert s[("kvtier_tier_capacity_bytes", (("tier", "gpu"),))] == 0
-        assert s[("kvtier_tier_used_bytes", (("tier", "host"),))] == s[("kvtier_tier_capacity_bytes", (("tier", "host"),))]
-        assert s[("kvtier_blocks", ())] == 12
-        assert 0 <= s[("kvtier_host_fragmentation_ratio", ())] < 1
+        default = (("tenant", ""),)  # the default store's label value (no tenants here)
+
+        def tier(name: str) -> tuple[tuple[str, str], ...]:
+            return default + (("tier", name),)
+
+        assert s[("kvtier_commits_total", default)] == 12
+        assert s[("kvtier_demotions_total", default)] == 4
+        assert s[("kvtier_tier_evictions_total", tier("host"))] == 4
+        assert s[("kvtier_tier_demotions_total", tier("host"))] == 4
+        assert s[("kvtier_tier_written_bytes_total", tier("disk"))] > 0
+        assert s[("kvtier_tier_blocks", tier("host"))] == 8
+        assert s[("kvtier_tier_blocks", tier("disk"))] == 4
+        assert s[("kvtier_tier_capacity_bytes", tier("gpu"))] == 0
+        assert s[("kvtier_tier_used_bytes", tier("host"))] == s[("kvtier_tier_capacity_bytes", tier("host"))]
+        assert s[("kvtier_blocks", default)] == 12
+        assert 0 <= s[("kvtier_host_fragmentation_ratio", default)] < 1
         ctx.ready = False
         assert value(m, "kvtier_ready") == 0
 

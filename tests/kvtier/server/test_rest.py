@@ -231,7 +231,7 @@ async def test_mutations_need_the_token(tmp_path):
         body = await (await client.get("/metrics")).text()
         assert TOKEN not in body
         assert 'kvtier_requests_total{op="rest_delete_block",status="unauthorized"} 3.0' in body
-        assert 'kvtier_deletes_total 3.0' in body
+        assert 'kvtier_deletes_total{tenant=""} 3.0' in body
 
 
 async def test_without_a_configured_token_mutations_are_open(tmp_path):
@@ -321,8 +321,9 @@ async def test_metrics_endpoint_parses_and_moves(tmp_path):
         await put_tokens(ctx.store, tokens_for(3))
         await client.get("/v1/stats")
         after = scrape(await (await client.get("/metrics")).text())
-        assert after[("kvtier_commits_total", ())] == before[("kvtier_commits_total", ())] + 3
-        assert after[("kvtier_tier_blocks", (("tier", "host"),))] == 3
+        default = (("tenant", ""),)  # the default store's label (no tenants here)
+        assert after[("kvtier_commits_total", default)] == before[("kvtier_commits_total", default)] + 3
+        assert after[("kvtier_tier_blocks", (("tenant", ""), ("tier", "host")))] == 3
         assert after[("kvtier_requests_total", (("op", "rest_metrics"), ("status", "ok")))] == 1
         assert after[("kvtier_requests_total", (("op", "rest_stats"), ("status", "ok")))] == 1
         assert after[("kvtier_request_duration_seconds_count", (("op", "rest_stats"),))] == 1

@@ -5,7 +5,7 @@ Both run with the store's mutex held (or before the store serves anything), on t
 
 from __future__ import annotations
 
-from kvtier_protocol.errors import KVTierError
+from kvtier_protocol.errors import KVTierError, StorageError
 from kvtier_protocol.header import (BlockHeader, decode_header, payload_checksum, split_record,
                                     verify_payload)
 
@@ -143,7 +143,11 @@ def _verify_records(disk: DiskTier, keys: list[BlockKey], headers: list[bytes]) 
     """Per key: ``"ok"``, ``"missing"`` or ``"corrupt"`` (one record in memory at a time)."""
     out = []
     for key, header in zip(keys, headers):
-        record = disk.get(key)
+        try:
+            record = disk.get(key)
+        except StorageError:
+            out.append("corrupt")  # unreadable (a damaged file): reported, and removed by fix
+            continue
         if record is None:
             out.append("missing")
             continue

@@ -67,6 +67,12 @@ class DiskTier:
         max_background_jobs: RocksDB flush and compaction threads.
         write_buffer_bytes: memtable size of the records family; a flush writes this much at once.
         tune_malloc: make glibc malloc reuse large buffers (see :func:`tune_glibc_malloc`).
+        min_free_bytes: a write that would leave less free space than this on the file system is
+            refused (StorageError) before RocksDB sees it. RocksDB treats a failed write (ENOSPC)
+            as a sticky error: every later write and the close fail, and a reopen must flush the
+            log into new files, which fails on a full disk too. The margin covers the memtables
+            (in the log until flushed, then written again as blob files). Default: twice the
+            memtable budget (``write_buffer_bytes * 4``).
 
     Raises:
         StorageError: the database cannot be opened (bad path, permissions, corruption).
@@ -74,11 +80,12 @@ class DiskTier:
 
     def __init__(self, path: str | os.PathLike[str], capacity_bytes: int, *, blob_min_bytes: int = 64 * KIB,
                  sync_writes: bool = False, max_background_jobs: int = 2, write_buffer_bytes: int = 64 * MIB,
-                 tune_malloc: bool = True) -> None:
+                 tune_malloc: bool = True, min_free_bytes: int | None = None) -> None:
         if tune_malloc:
             tune_glibc_malloc()
         self.path = os.fspath(path)
         self.capacity_bytes = capacity_bytes
+        self.min_free_bytes = 8 * write_buffer_bytes if min_free_bytes is None else min_free_bytes
         opts = Options(raw_mode=True)
         opts.create_if_missing(True)
         opts.create_missing_column_families(True)
@@ -141,6 +148,7 @@ class DiskTier:
             return
         with self._lock, _storage_errors("write"):
             self._check_open()
+            self._check_room(sum(len(h) + len(p) for _, h, p in items))
             batch = WriteBatch(raw_mode=True)
             lengths: dict[bytes, int] = {}
             for key, header, payload in items:
@@ -253,17 +261,30 @@ class DiskTier:
         return total
 
     def close(self) -> None:
-        """Flush memtables and release the database (its lock too). Idempotent."""
+        """Flush memtables and release the database (its lock too). Idempotent.
+
+        Every handle is closed even when an earlier one fails (a database in RocksDB's error
+        state, after ENOSPC or a damaged file, fails its flush at close): otherwise the database
+        and its lock would stay held by this process.
+
+        Raises:
+            StorageError: the first failure, after everything was released.
+        """
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            with _storage_errors("close"):
-                # rocksdict keeps the database open while any family object lives: close all.
-                self._records.close()
-                self._meta.close()
-                self._db.close()
+            first: StorageError | None = None
+            # rocksdict keeps the database open while any family object lives: close all.
+            for what in (self._records, self._meta, self._db):
+                try:
+                    with _storage_errors("close"):
+                        what.close()
+                except StorageError as e:
+                    first = first or e
             del self._records_cf, self._meta_cf
+            if first is not None:
+                raise first
 
     def __enter__(self) -> DiskTier:
         return self
@@ -274,6 +295,14 @@ class DiskTier:
     def _lengths(self, keys: list[bytes]) -> list[int | None]:
         """Record lengths of ``keys`` (None: absent), from the meta family."""
         return [None if v is None else _LEN.unpack_from(v)[0] for v in self._meta.get(keys)]
+
+    def _check_room(self, nbytes: int) -> None:
+        """Refuse a write of ``nbytes`` that would eat into ``min_free_bytes`` (see the class)."""
+        st = os.statvfs(self.path)
+        free = st.f_bavail * st.f_frsize
+        if free - 2 * nbytes < self.min_free_bytes:  # the log, then the blob file at the flush
+            raise StorageError(f"disk tier write of {nbytes} bytes refused: {free} bytes free on "
+                               f"{self.path}, {self.min_free_bytes} kept free for RocksDB")
 
     def _check_open(self) -> None:
         if self._closed:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ from kvtier.store.writes import BlockWriter
 
 if TYPE_CHECKING:
     from kvtier.store.gpu import GpuTier
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +107,12 @@ async def close_parts(parts: StoreParts, *, persist: bool) -> None:
         if parts.disk is not None:
             if persist:
                 await persist_at_close(parts.mover)
-            await asyncio.get_running_loop().run_in_executor(parts.pool, parts.disk.close)
+            try:
+                await asyncio.get_running_loop().run_in_executor(parts.pool, parts.disk.close)
+            except KVTierError as e:
+                # Logged, not raised (as a failed flush): what was acknowledged is in the log
+                # already, and the tier released its handles and lock all the same.
+                log.warning("kvtier store: closing the disk tier failed: %s", e)
     finally:
         _release(parts.pool, parts.host, parts.gpu)
 

@@ -1,0 +1,52 @@
+"""A daemon restarted under an engine in the middle of a load: the load ends short, without an
+error, and the engine recomputes; the connector serves again after the restart."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from kvtier.connector.core import KVConnectorCore
+from tests.kvtier.conftest import KvtierDaemon
+from tests.kvtier.connector.connkit import make_caches, make_ns, tokens
+
+
+def test_a_daemon_killed_and_restarted_mid_load_means_recompute_not_an_error(kvtier_daemon: KvtierDaemon):
+    ns = make_ns()
+    caches = make_caches(ns, "vllm-flash", num_pages=8, seed=1)
+    blank = make_caches(ns, "vllm-flash", num_pages=8, seed=None)
+    with KVConnectorCore(ns, address=kvtier_daemon.address, timeout_s=3.0) as writer, \
+            KVConnectorCore(ns, address=kvtier_daemon.address, timeout_s=3.0) as engine:
+        writer.bind_kv_caches(caches)
+        engine.bind_kv_caches(blank)
+        hashes = writer.block_hashes(tokens(8 * ns.block_tokens))
+        assert writer.save(hashes, list(range(8))) == 8
+        assert engine.lookup(hashes) == 8
+
+        kvtier_daemon.pause()  # the load's acquire is sent and waits for an answer
+        outcome: list[object] = []
+        loading = threading.Thread(target=lambda: outcome.append(_load(engine, hashes)))
+        loading.start()
+        time.sleep(0.3)
+        kvtier_daemon.process.kill()  # SIGKILL while the load is in flight, then a fresh daemon
+        kvtier_daemon.process.wait()
+        kvtier_daemon.restart()
+        loading.join(10)
+        assert not loading.is_alive()
+        assert outcome and isinstance(outcome[0], int) and outcome[0] < 8, f"no error, fewer blocks: {outcome}"
+
+        # The engine recomputes what it could not load; its next save and load go through again.
+        time.sleep(1.1)  # the client's hold-down after a failed call
+        assert writer.save(hashes, list(range(8))) == 8
+        assert engine.load(hashes, list(range(8))) == 8
+        for got, want in zip(blank, caches):
+            assert torch.equal(got, want)
+
+
+def _load(core: KVConnectorCore, hashes: list[bytes]) -> int | BaseException:
+    try:
+        return core.load(hashes, list(range(len(hashes))))
+    except BaseException as exc:  # reported to the test thread: an error is the failure here
+        return exc

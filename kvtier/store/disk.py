@@ -66,7 +66,10 @@ class DiskTier:
         sync_writes: fsync the WAL on every batch (survives power loss, slower).
         max_background_jobs: RocksDB flush and compaction threads.
         write_buffer_bytes: memtable size of the records family; a flush writes this much at once.
+            RocksDB holds every value in a memtable (up to 4 of them) until a flush moves it into a
+            blob file, so this is RAM the disk tier costs: size it with :func:`ram_budget`.
         tune_malloc: make glibc malloc reuse large buffers (see :func:`tune_glibc_malloc`).
+        malloc_trim_bytes: freed memory glibc may keep per arena (the first DiskTier sets it).
         min_free_bytes: a write that would leave less free space than this on the file system is
             refused (StorageError) before RocksDB sees it. RocksDB treats a failed write (ENOSPC)
             as a sticky error: every later write and the close fail, and a reopen must flush the
@@ -80,9 +83,10 @@ class DiskTier:
 
     def __init__(self, path: str | os.PathLike[str], capacity_bytes: int, *, blob_min_bytes: int = 64 * KIB,
                  sync_writes: bool = False, max_background_jobs: int = 2, write_buffer_bytes: int = 64 * MIB,
-                 tune_malloc: bool = True, min_free_bytes: int | None = None) -> None:
+                 tune_malloc: bool = True, min_free_bytes: int | None = None,
+                 malloc_trim_bytes: int = 512 * MIB) -> None:
         if tune_malloc:
-            tune_glibc_malloc()
+            tune_glibc_malloc(malloc_trim_bytes)
         self.path = os.fspath(path)
         self.capacity_bytes = capacity_bytes
         self.min_free_bytes = 8 * write_buffer_bytes if min_free_bytes is None else min_free_bytes
@@ -312,14 +316,28 @@ class DiskTier:
 _malloc_tuned = False
 
 
-def tune_glibc_malloc() -> None:
+def ram_budget(host_bytes: int) -> tuple[int, int]:
+    """``(write_buffer_bytes, malloc_trim_bytes)`` for a daemon whose host tier holds ``host_bytes``.
+
+    The disk tier's RAM (up to 4 memtables of whole values, and the freed buffers glibc keeps)
+    is sized from the host tier, so that the daemon stays within its tiers + 10 %: each is
+    1/64 of the host tier, within 1-64 MiB (memtables) and 8-512 MiB (trim threshold). A
+    64 MiB memtable whatever the tiers cost ~90 MiB of RAM beside a 32 MiB host tier
+    (``kvtier bench soak``); below 4 GiB of host tier, flushes come more often, in smaller files.
+    """
+    share = host_bytes // 64
+    return min(64 * MIB, max(MIB, share)), min(512 * MIB, max(8 * MIB, share))
+
+
+def tune_glibc_malloc(trim_bytes: int = 512 * MIB) -> None:
     """Make glibc malloc keep and reuse large freed buffers (process-wide, once; a no-op elsewhere).
 
     RocksDB and rocksdict allocate a fresh buffer for every value read, and glibc serves buffers
     above its mmap threshold with a new mapping each time, so every multi-megabyte get paid page
     faults that zero the memory: measured 0.4-0.6 GB/s warm reads before, 1.7-3 GB/s after.
     Raising the mmap threshold to its maximum (32 MiB) and the trim threshold keeps such buffers
-    in the heap. The price: up to ``M_TRIM_THRESHOLD`` of freed memory stays in the process.
+    in the heap. The price: up to ``trim_bytes`` (``M_TRIM_THRESHOLD``) of freed memory stays in
+    each malloc arena of the process.
     """
     global _malloc_tuned
     if _malloc_tuned or not sys.platform.startswith("linux"):
@@ -332,4 +350,4 @@ def tune_glibc_malloc() -> None:
         return  # not glibc
     m_trim_threshold, m_mmap_threshold = -1, -3
     mallopt(m_mmap_threshold, 32 * MIB)
-    mallopt(m_trim_threshold, 512 * MIB)
+    mallopt(m_trim_threshold, trim_bytes)

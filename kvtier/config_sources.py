@@ -69,6 +69,8 @@ _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 def _convert(option: str, value: Any, origin: str) -> Any:
     """One option's value from TOML (typed) or from the environment / a flag (text)."""
     kind, text = OPTIONS[option], isinstance(value, str) and not origin.startswith("file")
+    if isinstance(value, str) and "\x00" in value:  # TOML's \u0000: no path or name holds a NUL
+        raise ConfigError(f"{option} ({origin}): must not contain a NUL character")
     try:
         if option == "store.host_bytes" and value == "auto":
             return None
@@ -91,8 +93,8 @@ def _convert(option: str, value: Any, origin: str) -> Any:
         if kind.startswith("bool"):
             return _typed(option, value, bool)
         return _typed(option, value, int if kind == "int" else str)
-    except (ConfigError, ValueError) as e:
-        msg = e.message if isinstance(e, ConfigError) else f"{value!r} is not a valid {kind}"
+    except (ConfigError, ValueError, OverflowError) as e:  # float(10**400) overflows
+        msg = e.message if isinstance(e, ConfigError) else f"{value!r:.80} is not a valid {kind}"
         raise ConfigError(f"{option} ({origin}): {msg.removeprefix(option + ' ')}") from None
 
 
@@ -103,8 +105,10 @@ def _from_toml(path: str) -> tuple[dict[str, tuple[Any, str]], tuple[TenantConfi
             doc = tomllib.load(f)
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
-    except tomllib.TOMLDecodeError as e:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:  # tomllib decodes UTF-8 itself
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    except RecursionError:  # tomllib parses nested arrays and inline tables recursively
+        raise ConfigError(f"config file {path} nests arrays or tables too deeply") from None
     out, unknown = {}, []
     tenants = parse_tenants(doc.pop("tenants"), f"file {path}") if "tenants" in doc else ()
     for section, table in doc.items():

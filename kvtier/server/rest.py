@@ -29,6 +29,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from kvtier_protocol.errors import (Busy, InvalidKey, InvalidRequest, KVTierError, LimitExceeded, NamespaceError,
                                     NotFound, ProtocolError, Unauthorized, Unavailable)
 from kvtier_protocol.namespace import NS_ID_LEN
@@ -61,6 +62,24 @@ _STATUS: tuple[tuple[type[KVTierError], int], ...] = (
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "limit_exceeded"}
 
 routes = web.RouteTableDef()
+
+
+class _QuietBadRequests(logging.Filter):
+    """aiohttp logs every malformed HTTP request as ERROR with a traceback, so any peer that can
+    reach the port could flood the log with them. The peer already got its 400: one INFO line
+    without a traceback says enough."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, HttpProcessingError):
+            return True
+        record.levelno, record.levelname = logging.INFO, "INFO"
+        record.msg, record.args = "malformed HTTP request: %s", (str(exc).replace("\n", " ")[:200],)
+        record.exc_info = record.exc_text = None
+        return logging.getLogger(record.name).isEnabledFor(logging.INFO)
+
+
+_QUIET_BAD_REQUESTS = _QuietBadRequests()
 
 
 def http_status(exc: KVTierError) -> int:
@@ -108,6 +127,7 @@ def create_rest_app(ctx: DaemonContext, *, heartbeat_s: float = HEARTBEAT_S) -> 
         ctx: the daemon's context (store, auth, metrics, events, readiness).
         heartbeat_s: seconds between SSE heartbeat comments on ``/v1/events``.
     """
+    logging.getLogger("aiohttp.server").addFilter(_QUIET_BAD_REQUESTS)  # once: addFilter skips a repeat
     app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
     app[CTX_KEY] = ctx
     app[HEARTBEAT_KEY] = heartbeat_s

@@ -7,7 +7,7 @@
 #   usage: tools/conformance.sh [DIR]      (default DIR: .engine-iface in the checkout)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-DIR=${1:-.engine-iface}
+DIR=$(realpath -m "${1:-.engine-iface}")
 bash tools/engine-iface-env.sh "$DIR"
 "$DIR/venv/bin/pip" install -q -e '.[test]'
-KVTIER_REQUIRE_ENGINES=1 PYTHONPATH="$PWD/$DIR/src" "$DIR/venv/bin/python" -m pytest tests/connectors -q
+KVTIER_REQUIRE_ENGINES=1 PYTHONPATH="$DIR/src" "$DIR/venv/bin/python" -m pytest tests/connectors -q

@@ -142,7 +142,9 @@ def _host_rows(loop: asyncio.AbstractEventLoop, nbytes: int, ws: int, batch: int
     hashes = [_chain(i) for i in range(n)]
     headers = [_header(i, memoryview(s.numpy())) for i, s in enumerate(srcs)]
     per = max(1, batch // nbytes)
-    cfg = StoreConfig(host_bytes=n * nbytes + 64 * MIB, host_name_prefix="kvtier-bench")
+    # No background scrub here: this measures the host tier's own path (the daemon's scrub runs in the
+    # daemon process, off the client's path; `kvtier bench dataplane` measures it for real).
+    cfg = StoreConfig(host_bytes=n * nbytes + 64 * MIB, host_name_prefix="kvtier-bench", scrub_commits=False)
     store = TieredStore(cfg)
     loop.run_until_complete(store.start())
     try:

@@ -7,7 +7,8 @@ Each suite is a module exposing::
     def run(args: argparse.Namespace) -> SuiteResult             # measure, return rows
 
 Common flags (added by the CLI for every suite): ``--quick`` (CI-sized), ``--repetitions N``,
-``--json FILE``. Only the suite that runs is imported, so one suite's dependencies (or a broken
+``--json FILE``, ``--plot DIR`` (PNG charts; matplotlib). ``kvtier bench all`` runs every suite
+(kvtier/bench/all.py). Only the suite that runs is imported, so one suite's dependencies (or a broken
 suite) never slow or break another.
 """
 

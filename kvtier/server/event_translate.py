@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 from array import array
 from collections import OrderedDict
+from itertools import chain
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -146,7 +147,8 @@ class EventTranslator:
             old = self._cache.pop(key, None)
             if old is not None:
                 self._tokens -= len(old.tokens)
-            info = _TokenInfo(tokens, array("Q", (event_hash(u) for u in units)) if units else None,
+            # Lengths were checked above: the u64 form inline, without event_hash's own checks.
+            info = _TokenInfo(tokens, array("Q", [int.from_bytes(u[-8:], "big") for u in units]) if units else None,
                               old.tiers if old is not None else 0)
             self._cache[key] = info
             self._tokens += len(tokens)
@@ -282,10 +284,10 @@ def _combine(run: list[Translated]) -> Event:
     first = run[0].event
     if len(run) == 1:
         return first
-    hashes = tuple(h for t in run for h in t.event.block_hashes)
+    hashes = tuple(chain.from_iterable(t.event.block_hashes for t in run))  # C-level concatenation
     if isinstance(first, BlockRemoved):
         return BlockRemoved(hashes, first.medium, first.group_idx)
-    tokens = tuple(tok for t in run for tok in t.event.token_ids)  # type: ignore[union-attr]
+    tokens = tuple(chain.from_iterable(t.event.token_ids for t in run))  # type: ignore[union-attr]
     return BlockStored(hashes, first.parent_block_hash, tokens, first.block_size,
                        medium=first.medium, group_idx=first.group_idx,
                        kv_cache_spec_kind=first.kv_cache_spec_kind)

@@ -1,0 +1,332 @@
+"""`kvtier bench events`: KV events per second through the daemon's publisher to a subscriber.
+
+The daemon's own :class:`kvtier.server.events.EventHub` (translation to vLLM 0.33 events, merging
+into runs, msgpack encoding on its sender thread, a ZMQ PUB socket on tcp loopback) runs in this
+process, fed what the store and the data plane feed it in the daemon: ``note_blocks`` with each
+stored block's tokens and hash-unit digests, then ``publish`` of ``--batch`` store events at a
+time (what the daemon's 20 ms pump collects at about 100K events/s). A subscriber process (a ZMQ
+SUB socket, as a router such as llm-d runs) receives every message and decodes it with
+:func:`kvtier_protocol.events.decode_batch`, counting the block hashes it finds.
+
+The workload, per ``--geometry`` (``block_tokens/hash_tokens``): chains of ``--chain`` blocks,
+each block with its tokens and ``block_tokens / hash_tokens`` unit digests; every publish of
+stored blocks is followed by a publish of their removal, so half the events are
+``BlockStored`` (with tokens) and half ``BlockRemoved``. An event here is one store event: one
+block appearing in or leaving one tier (the daemon merges consecutive ones into fewer, larger
+vLLM events on the wire).
+
+Rows (events/s, higher is better), per geometry:
+  * ``published``: from the first ``note_blocks`` until the sender thread has handed the last
+    batch to the PUB socket, next to raw pyzmq sending the same bytes (the batches as the hub
+    encodes them, made beforehand) from one thread.
+  * ``received + decoded``: until the subscriber has decoded the last batch, next to the same
+    raw messages received by the same subscriber process without decoding: the transport floor.
+  * ``decode only``: :func:`decode_batch` of every batch in this process, next to
+    ``msgpack.unpackb`` of the same bytes: how close the checked decoder is to msgpack itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import multiprocessing as mp
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+import msgpack
+import zmq
+
+from kvtier.bench.report import Row, Samples, SuiteResult, Timer, alternate, progress, throughput_row
+from kvtier.config import EventsConfig
+from kvtier.server.event_translate import BlockTokens, EventTranslator, merge
+from kvtier.server.events import EventHub
+from kvtier.store.stats import EventKind, StoreEvent
+from kvtier.store.types import Tier
+from kvtier_protocol.errors import KVTierError
+from kvtier_protocol.events import EventBatch, decode_batch, encode_batch
+from kvtier_protocol.namespace import Namespace
+
+DESCRIPTION = "KV events published and received (decoded) per second vs raw pyzmq PUB/SUB"
+TOPIC = "kv@bench@kvtier"
+PROBE_SEQ = b"\xff" * 8  # raw probe messages; kvtier probes are GPU-tier events, the workload's are CPU
+IDLE_TIMEOUT_S = 5.0  # a subscriber that hears nothing this long reports what it got
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--geometry", default=None,
+                        help="block_tokens/hash_tokens pairs (default 256/16,16/16; --quick 256/16)")
+    parser.add_argument("--events", type=int, default=None,
+                        help="store events per repetition (default 100000; --quick 8192)")
+    parser.add_argument("--batch", type=int, default=2048, help="store events per publish (default 2048)")
+    parser.add_argument("--chain", type=int, default=32, help="blocks per prefix chain (default 32)")
+
+
+def run(args: argparse.Namespace) -> SuiteResult:
+    reps = args.repetitions or (2 if args.quick else 5)
+    geometries = [tuple(int(v) for v in g.split("/")) for g in
+                  (args.geometry or ("256/16" if args.quick else "256/16,16/16")).split(",")]
+    total = args.events or (8192 if args.quick else 100_000)
+    batch = max(1, args.batch)
+    result = SuiteResult("events")
+    ctx = mp.get_context("spawn")  # a fresh interpreter: no copy of this process's sockets or threads
+    parent, child = ctx.Pipe()
+    # A short replay buffer: appending costs the same at any length, and the daemon's default
+    # (10000 batches) would keep every 2.4 MB batch of the run alive.
+    hub = EventHub(EventsConfig(endpoint="tcp://127.0.0.1:*", topic=TOPIC, buffer_steps=64))
+    zctx = zmq.Context()
+    raw = zctx.socket(zmq.PUB)
+    raw.setsockopt(zmq.SNDHWM, EventsConfig().hwm)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.bind("tcp://127.0.0.1:*")
+    sub = ctx.Process(target=_subscriber, args=(child, {"kvtier": hub.start()[0],
+                                                        "raw": raw.getsockopt_string(zmq.LAST_ENDPOINT)}),
+                      name="kvtier-bench-events-sub", daemon=True)
+    sub.start()
+    try:
+        _expect(parent, "connected", 60.0)
+        for block_tokens, hash_tokens in geometries:
+            work = Workload.make(block_tokens, hash_tokens, total, batch, args.chain)
+            progress(f"events: {block_tokens}-token blocks, {work.units} hashes each: {work.events} events "
+                     f"in {len(work.publishes)} publishes of {batch}, {reps} repetitions")
+            result.rows += _rows(work, hub, raw, parent, reps)
+    finally:
+        parent.send(("stop",))
+        sub.join(10)
+        if sub.is_alive():
+            sub.kill()
+        hub.close()
+        raw.close()
+        zctx.term()
+    return result
+
+
+# --- the workload ------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Workload:
+    """Pre-made inputs of one repetition: what the store and the data plane hand the hub."""
+
+    ns: Namespace
+    units: int  # hash units per block
+    events: int  # store events over all publishes
+    notes: list[list[BlockTokens]]  # per publish: blocks to note first (empty for removals)
+    publishes: list[list[StoreEvent]]
+    batches: list[bytes]  # each publish's batch as the hub encodes it (the raw baseline's messages)
+
+    @classmethod
+    def make(cls, block_tokens: int, hash_tokens: int, total: int, batch: int, chain: int) -> Workload:
+        ns = Namespace(model="bench/events", revision="0", attention="mha", num_layers=32, num_kv_heads=8,
+                       head_dim=128, block_tokens=block_tokens, hash_tokens=hash_tokens)
+        units = ns.units_per_block
+        notes: list[list[BlockTokens]] = []
+        publishes: list[list[StoreEvent]] = []
+        block = 0
+        while sum(map(len, publishes)) < total:
+            stored, noted = [], []
+            for _ in range(batch):
+                digests = [_digest(block, u) for u in range(units)]
+                parent = _digest(block - 1, units - 1) if block % chain else None
+                tokens = tuple((block * block_tokens + t) % 128_000 for t in range(block_tokens))
+                noted.append(BlockTokens(digests[-1], parent, tokens, tuple(digests)))
+                stored.append(StoreEvent(EventKind.STORED, Tier.HOST, ns.ns_id, digests[-1], parent, block_tokens))
+                block += 1
+            notes += [noted, []]
+            publishes += [stored, [StoreEvent(EventKind.REMOVED, e.tier, e.ns_id, e.chain_hash, e.parent_hash,
+                                              e.num_tokens) for e in stored]]
+        batches = _encoded(ns, notes, publishes)
+        return cls(ns, units, sum(map(len, publishes)), notes, publishes, batches)
+
+
+def _digest(block: int, unit: int) -> bytes:
+    return hashlib.blake2b(block.to_bytes(8, "little", signed=True) + unit.to_bytes(4, "little"),
+                           digest_size=32).digest()
+
+
+def _encoded(ns: Namespace, notes: list[list[BlockTokens]], publishes: list[list[StoreEvent]]) -> list[bytes]:
+    """What the hub will put on the wire for each publish (same translation, merge and encoding)."""
+    translator = EventTranslator()
+    out = []
+    for noted, events in zip(notes, publishes):
+        translator.note_blocks(ns.ns_id, noted)
+        wire = merge(translator.translate(events, {ns.ns_id: ns}))
+        out.append(encode_batch(EventBatch(time.time(), tuple(wire), 0)))
+    return out
+
+
+# --- measuring ---------------------------------------------------------------------------------
+
+
+def _rows(work: Workload, hub: EventHub, raw: zmq.Socket, conn: Connection, reps: int) -> list[Row]:
+    _probe(conn, "kvtier", lambda: hub.publish([StoreEvent(EventKind.STORED, Tier.GPU, work.ns.ns_id,
+                                                           bytes(32), None, 0)], {}))
+    _probe(conn, "raw", lambda: raw.send_multipart([TOPIC.encode(), PROBE_SEQ, b"probe"]))
+    payloads = work.batches
+    published: dict[str, list[float]] = {"kvtier": [], "raw": []}
+    received: dict[str, list[float]] = {"kvtier": [], "raw": []}
+    namespaces = {work.ns.ns_id: work.ns}
+    stats = hub.zmq_stats
+    assert stats is not None, "the hub was made with an endpoint"
+
+    def kvtier() -> float:
+        conn.send(("measure", "kvtier", work.events * work.units))
+        _expect(conn, "armed", 30.0)
+        sent_before = stats.batches_sent
+        start = time.monotonic()
+        for noted, events in zip(work.notes, work.publishes):
+            if noted:
+                hub.note_blocks(work.ns.ns_id, noted)
+            hub.publish(events, namespaces)
+        while stats.batches_sent - sent_before < len(work.publishes):
+            if time.monotonic() - start > 300:
+                raise RuntimeError("events: the hub's sender thread did not send every batch within 300 s")
+            time.sleep(0.0005)
+        pub_s = time.monotonic() - start
+        return _record(conn, "kvtier", start, pub_s, work.events, work.events * work.units, published, received)
+
+    def baseline() -> float:
+        conn.send(("measure", "raw", len(payloads)))
+        _expect(conn, "armed", 30.0)
+        topic = TOPIC.encode()
+        start = time.monotonic()
+        for seq, payload in enumerate(payloads):
+            raw.send_multipart([topic, seq.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK, copy=False)
+        pub_s = time.monotonic() - start
+        return _record(conn, "raw", start, pub_s, work.events, len(payloads), published, received)
+
+    alternate(kvtier, baseline, repetitions=reps)
+    case = f"{work.ns.block_tokens}-token blocks ({work.units} hashes), {len(work.publishes[0])} per publish"
+    progress(f"events: {case}: decode_batch vs msgpack.unpackb of the same batches, in process")
+    decoded, unpacked = alternate(_decoder(work, decode_batch), _decoder(work, _unpack), repetitions=reps)
+    return [
+        throughput_row(case, "published", "events/s", Samples(published["kvtier"][1:]),
+                       "raw pyzmq PUB, same bytes", Samples(published["raw"][1:])),
+        throughput_row(case, "received + decoded", "events/s", Samples(received["kvtier"][1:]),
+                       "raw pyzmq PUB/SUB, same bytes", Samples(received["raw"][1:])),
+        throughput_row(case, "decode only", "events/s", decoded, "msgpack.unpackb, same bytes", unpacked),
+    ]
+
+
+def _unpack(buf: bytes) -> object:
+    """The floor of decoding: msgpack alone, no checks, no event objects."""
+    return msgpack.unpackb(buf, raw=False)
+
+
+def _decoder(work: Workload, decode: Callable[[bytes], object]) -> Callable[[], float]:
+    def once() -> float:
+        with Timer() as t:
+            for buf in work.batches:
+                decode(buf)
+        return work.events / t.seconds
+    return once
+
+
+def _record(conn: Connection, kind: str, start: float, pub_s: float, events: int, expected: int,
+            published: dict[str, list[float]], received: dict[str, list[float]]) -> float:
+    """Store the published and received rates of one measurement (the first is alternate()'s
+    warm-up); raise if the subscriber missed anything."""
+    reply = conn.recv()
+    got, last, errors = reply[1], reply[2], reply[3]
+    if got != expected or errors:
+        raise RuntimeError(f"events: the {kind} subscriber got {got} of {expected} "
+                           f"({errors} undecodable); messages were lost")
+    published[kind].append(events / pub_s)
+    received[kind].append(events / (last - start))
+    return received[kind][-1]
+
+
+def _expect(conn: Connection, what: str, timeout_s: float) -> None:
+    if not conn.poll(timeout_s):
+        raise RuntimeError(f"events: the subscriber process did not answer {what!r} within {timeout_s:.0f} s")
+    reply = conn.recv()
+    if reply != what:
+        raise RuntimeError(f"events: the subscriber answered {reply!r}, expected {what!r}")
+
+
+def _probe(conn: Connection, name: str, send: Callable[[], object]) -> None:
+    """Send probes until the subscriber has seen one: a SUB socket only receives what is sent
+    after its subscription reached the publisher (ZMQ's slow-joiner rule)."""
+    conn.send(("probe", name))
+    deadline = time.monotonic() + 30.0
+    while time.monotonic() < deadline:
+        send()
+        if conn.poll(0.02):
+            _expect(conn, "ready", 1.0)
+            return
+    raise RuntimeError(f"events: the subscriber never received the {name} publisher's probes")
+
+
+# --- the subscriber process --------------------------------------------------------------------
+
+
+def _subscriber(conn: Connection, endpoints: dict[str, str]) -> None:
+    """SUB sockets on both publishers; answers ``probe`` and ``measure`` commands until ``stop``."""
+    ctx = zmq.Context()
+    socks: dict[str, zmq.Socket] = {}
+    for name, endpoint in endpoints.items():
+        s = ctx.socket(zmq.SUB)
+        s.setsockopt(zmq.RCVHWM, 0)  # the bench measures speed, not loss: never drop on this side
+        s.setsockopt(zmq.SUBSCRIBE, b"")
+        s.connect(endpoint)
+        socks[name] = s
+    conn.send("connected")
+    try:
+        while True:
+            cmd = conn.recv()
+            if cmd[0] == "stop":
+                return
+            sock = socks[cmd[1]]
+            if cmd[0] == "probe":
+                sock.recv_multipart()
+                time.sleep(0.05)
+                _drain(sock)
+                conn.send("ready")
+            elif cmd[0] == "measure":
+                conn.send("armed")
+                got, last, errors = (_count_events if cmd[1] == "kvtier" else _count_raw)(sock, cmd[2])
+                conn.send(("done", got, last, errors))
+    finally:
+        for s in socks.values():
+            s.close(linger=0)
+        ctx.term()
+
+
+def _drain(sock: zmq.Socket) -> None:
+    while True:
+        try:
+            sock.recv_multipart(flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return
+
+
+def _count_events(sock: zmq.Socket, expected: int) -> tuple[int, float, int]:
+    """Decode batches until ``expected`` block hashes of the workload (CPU medium) have arrived."""
+    got = errors = 0
+    last = time.monotonic()
+    while got < expected and sock.poll(IDLE_TIMEOUT_S * 1000):
+        frames = sock.recv_multipart(copy=True)
+        try:
+            batch = decode_batch(frames[2])
+        except KVTierError:  # the decoder's only errors; counted, and the parent fails the run
+            errors += 1
+            continue
+        got += sum(len(e.block_hashes) for e in batch.events if getattr(e, "medium", None) == "CPU")
+        last = time.monotonic()
+    return got, last, errors
+
+
+def _count_raw(sock: zmq.Socket, expected: int) -> tuple[int, float, int]:
+    """Receive ``expected`` workload messages (probes skipped) without decoding them."""
+    got = 0
+    last = time.monotonic()
+    while got < expected and sock.poll(IDLE_TIMEOUT_S * 1000):
+        frames = sock.recv_multipart(copy=False)
+        if frames[1].bytes != PROBE_SEQ:
+            got += 1
+        last = time.monotonic()
+    return got, last, 0
+
+
+__all__ = ["DESCRIPTION", "Workload", "add_arguments", "run"]

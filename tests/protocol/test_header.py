@@ -387,3 +387,20 @@ def test_fuzz_decode_header_raises_only_typed_errors() -> None:
             outcomes["ok"] += 1
     # The map mutations must reach the parser and validator, not stop at the checksum.
     assert outcomes["error"] > 5_000 and outcomes["ok"] > 0
+
+
+# --- the decoded-header memo --------------------------------------------------------------------
+
+
+def test_a_header_decoded_again_is_the_same_and_a_changed_byte_is_still_caught() -> None:
+    buf = encode_header(raw_header(checksum=12345))
+    first, off = decode_header(buf)
+    again, off2 = decode_header(bytearray(buf) + b"payload follows")  # another buffer, same header bytes
+    assert again == first and off2 == off
+    for i in (5, PREAMBLE_LEN + 3, len(buf) - 1):  # version, the map, its last byte
+        flipped = bytearray(buf)
+        flipped[i] ^= 0x01
+        with pytest.raises(KVTierError):
+            decode_header(flipped)
+    with pytest.raises(LimitExceeded):  # the payload limit is part of what was decoded
+        decode_header(buf, max_payload_len=100)

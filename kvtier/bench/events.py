@@ -11,9 +11,10 @@ SUB socket, as a router such as llm-d runs) receives every message and decodes i
 The workload, per ``--geometry`` (``block_tokens/hash_tokens``): chains of ``--chain`` blocks,
 each block with its tokens and ``block_tokens / hash_tokens`` unit digests; every publish of
 stored blocks is followed by a publish of their removal, so half the events are
-``BlockStored`` (with tokens) and half ``BlockRemoved``. An event here is one store event: one
-block appearing in or leaving one tier (the daemon merges consecutive ones into fewer, larger
-vLLM events on the wire).
+``BlockStored`` (with tokens) and half ``BlockRemoved``. An event in every figure is one store
+event: one block appearing in or leaving one tier, i.e. one per-block ``BlockStored`` /
+``BlockRemoved`` as vLLM emits them per KV block (the daemon merges consecutive ones of a chain
+into fewer, larger vLLM events on the wire; the subscriber counts the block hashes it decodes).
 
 Rows (events/s, higher is better), per geometry:
   * ``published``: from the first ``note_blocks`` until the sender thread has handed the last
@@ -40,12 +41,12 @@ import zmq
 
 from kvtier.bench.report import Row, Samples, SuiteResult, Timer, alternate, progress, throughput_row
 from kvtier.config import EventsConfig
-from kvtier.server.event_translate import BlockTokens, EventTranslator, merge
+from kvtier.server.event_translate import BlockTokens, EventTranslator
 from kvtier.server.events import EventHub
 from kvtier.store.stats import EventKind, StoreEvent
 from kvtier.store.types import Tier
 from kvtier_protocol.errors import KVTierError
-from kvtier_protocol.events import EventBatch, decode_batch, encode_batch
+from kvtier_protocol.events import decode_batch, encode_wire_batch
 from kvtier_protocol.namespace import Namespace
 
 DESCRIPTION = "KV events published and received (decoded) per second vs raw pyzmq PUB/SUB"
@@ -151,8 +152,7 @@ def _encoded(ns: Namespace, notes: list[list[BlockTokens]], publishes: list[list
     out = []
     for noted, events in zip(notes, publishes):
         translator.note_blocks(ns.ns_id, noted)
-        wire = merge(translator.translate(events, {ns.ns_id: ns}))
-        out.append(encode_batch(EventBatch(time.time(), tuple(wire), 0)))
+        out.append(encode_wire_batch(time.time(), translator.translate_wire(events, {ns.ns_id: ns}), 0))
     return out
 
 

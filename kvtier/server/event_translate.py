@@ -21,31 +21,39 @@ One store event becomes one per-block event (:class:`Translated`):
 ``group_idx=0`` with a ``kv_cache_spec_kind`` follows SPEC.md §9.5 and its ``map_tiers`` vector
 (vLLM's OffloadingConnector does the same); llm-d accepts it because ``len(token_ids) ==
 len(block_hashes) * block_size`` holds for full events and placeholders alike.
-:func:`merge` then joins consecutive per-block events into vLLM-style runs for the wire.
+:meth:`EventTranslator.translate_wire` joins consecutive per-block events into vLLM-style runs
+and builds their wire form directly; :meth:`EventTranslator.translate` gives the per-block
+objects (SSE).
 """
 
 from __future__ import annotations
 
 import logging
+import struct
 from array import array
 from collections import OrderedDict
-from itertools import chain
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 from kvtier_protocol.errors import KVTierError
-from kvtier_protocol.events import BlockRemoved, BlockStored, Event, event_to_wire
+from kvtier_protocol.events import BlockRemoved, BlockStored, event_to_wire, removed_wire, stored_wire
 from kvtier_protocol.keys import chain_hashes, event_hash
 from kvtier_protocol.namespace import Namespace
 
 from kvtier.store.stats import EventKind, StoreEvent
-from kvtier.store.types import BlockKey, make_key
+from kvtier.store.types import BlockKey, Tier
 
 log = logging.getLogger(__name__)
 
 GROUP_IDX = 0  # kvtier stores one KV-cache group per namespace
 MAX_RUN_TOKENS = 1 << 16  # a merged event stays far below the receivers' 2**20-entry array limit
 MAX_RUN_HASHES = 1 << 14
+_MEDIUM = {t: t.medium for t in Tier}  # one dict lookup per event instead of two properties
+_FULL, _PLACEHOLDER, _REMOVED = 0, 1, 2  # what _step made of a store event
+_STORED = EventKind.STORED
+_Step = tuple[int, Sequence[int], int | None, array | None, int, str | None]
+"""What _step made of a store event: (what, hashes, parent u64, tokens, block_size, kv_cache_spec_kind)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +119,46 @@ def _tokens_array(tokens: Sequence[int]) -> array | None:
     return None
 
 
+@lru_cache(maxsize=64)
+def _tails(digest_len: int, count: int) -> struct.Struct:
+    """Unpacks the last 8 bytes of each of ``count`` joined digests as big-endian u64s."""
+    return struct.Struct(">" + f"{digest_len - 8}xQ" * count)
+
+
+def _units_u64(units: Sequence[bytes]) -> array | None:
+    """The u64 event form of unit digests; None: one is not a digest (bytes, >= 8 long)."""
+    if len(units) == 1:
+        u = units[0]
+        if type(u) is bytes and len(u) >= 8:
+            return array("Q", (int.from_bytes(u[-8:], "big"),))
+    elif set(map(type, units)) == {bytes}:  # the usual case in C: equal-length digests, one unpack
+        lengths = set(map(len, units))
+        if len(lengths) == 1 and (n := lengths.pop()) >= 8:
+            return array("Q", _tails(n, len(units)).unpack(b"".join(units)))
+    out = array("Q")
+    for u in units:
+        if not isinstance(u, bytes) or len(u) < 8:
+            return None
+        out.append(int.from_bytes(u[-8:], "big"))
+    return out
+
+
+def _run_wire(what: int, hashes: list[int], parent: int | None, tokens: list[int], block_size: int,
+              medium: str | None, kind: str | None, legacy: bool) -> dict[str, object] | list[object]:
+    if what == _REMOVED:
+        return removed_wire(hashes, medium, GROUP_IDX, legacy)
+    return stored_wire(hashes, parent, tokens, block_size, medium, GROUP_IDX, kind, legacy)
+
+
+def _translated(ev: StoreEvent, what: int, hashes: Sequence[int], parent: int | None, tokens: array | None,
+                block_size: int, kind: str | None) -> Translated:
+    if what == _REMOVED:
+        return Translated(ev, BlockRemoved(tuple(hashes), ev.medium, GROUP_IDX))
+    return Translated(ev, BlockStored(tuple(hashes), parent, tuple(tokens) if tokens is not None else (),
+                                      block_size, medium=ev.medium, group_idx=GROUP_IDX,
+                                      kv_cache_spec_kind=kind))
+
+
 class EventTranslator:
     """Turns store events into per-block vLLM events, keeping token info in a bounded LRU.
 
@@ -135,23 +183,27 @@ class EventTranslator:
         Malformed entries are counted in :attr:`invalid_notes` and skipped: events about those
         blocks become placeholders, the store itself is unaffected.
         """
+        cache = self._cache
+        held = self._tokens
         for b in blocks:
-            tokens = _tokens_array(b.tokens) if b.tokens else None
-            units = b.unit_hashes
-            if (tokens is None or not isinstance(b.chain_hash, bytes) or len(b.chain_hash) < 8
-                    or (units and (units[-1] != b.chain_hash or len(tokens) % len(units)))
-                    or any(not isinstance(u, bytes) or len(u) < 8 for u in units)):
+            try:  # the common case first: ids below 2**32
+                tokens: array | None = array("I", b.tokens)
+            except (OverflowError, TypeError):
+                tokens = _tokens_array(b.tokens)
+            chain_hash, units = b.chain_hash, b.unit_hashes
+            u64 = None
+            if (not tokens or not isinstance(chain_hash, bytes) or len(chain_hash) < 8
+                    or (units and (units[-1] != chain_hash or len(tokens) % len(units)
+                                   or (u64 := _units_u64(units)) is None))):
                 self.invalid_notes += 1
                 continue
-            key = make_key(ns_id, b.chain_hash)
-            old = self._cache.pop(key, None)
+            key = ns_id + chain_hash  # make_key, inline: this loop runs ~10^5 times a second
+            old = cache.pop(key, None)
             if old is not None:
-                self._tokens -= len(old.tokens)
-            # Lengths were checked above: the u64 form inline, without event_hash's own checks.
-            info = _TokenInfo(tokens, array("Q", [int.from_bytes(u[-8:], "big") for u in units]) if units else None,
-                              old.tiers if old is not None else 0)
-            self._cache[key] = info
-            self._tokens += len(tokens)
+                held -= len(old.tokens)
+            cache[key] = _TokenInfo(tokens, u64, old.tiers if old is not None else 0)
+            held += len(tokens)
+        self._tokens = held
         self._shrink()
 
     def _shrink(self) -> None:
@@ -166,45 +218,100 @@ class EventTranslator:
 
     def translate(self, events: Sequence[StoreEvent],
                   namespaces: Mapping[bytes, Namespace]) -> list[Translated]:
-        """Per-block vLLM events for ``events``, in order; updates the token cache."""
-        out: list[Translated] = []
+        """Per-block vLLM events for ``events``, in order; updates the token cache (the wire
+        form of the same events is :meth:`translate_wire`, which this runs)."""
+        per_block: list[Translated] = []
+        self.translate_wire(events, namespaces, per_block=per_block)
+        return per_block
+
+    def translate_wire(self, events: Sequence[StoreEvent], namespaces: Mapping[bytes, Namespace],
+                       legacy: bool = False, *, per_block: list[Translated] | None = None
+                       ) -> list[dict[str, object] | list[object]]:
+        """The msgpack-ready vLLM events (:func:`~kvtier_protocol.events.event_to_wire` form)
+        of ``events``, consecutive blocks joined into runs as vLLM emits them: stores of one
+        chain in one medium, placeholders of one medium, removals of one medium. Updates the
+        token cache.
+
+        One pass without an object per block (the daemon's publish path, ~10^5 store events a
+        second): each run goes straight to its wire form, token arrays joined in C.
+
+        Args:
+            per_block: when given, also gets one :class:`Translated` per store event (SSE).
+        """
+        out: list[dict[str, object] | list[object]] = []
+        step = self._step
+        r_what = -1  # no run open
+        r_medium = r_kind = r_ns = r_last = r_parent = None
+        r_hashes: list[int] = []
+        r_tokens: list[int] = []
+        r_bs = r_nh = r_nt = 0
         for ev in events:
-            key = make_key(ev.ns_id, ev.chain_hash)
-            info = self._cache.get(key)
-            if ev.kind is EventKind.STORED:
-                out.append(Translated(ev, self._stored(ev, key, info, namespaces.get(ev.ns_id))))
+            what, hashes, parent, tokens, block_size, kind = step(ev, namespaces)
+            if per_block is not None:
+                per_block.append(_translated(ev, what, hashes, parent, tokens, block_size, kind))
+            medium = _MEDIUM[ev.tier]
+            nh = len(hashes)
+            # Does the event extend the open run? One BlockStored covers one chain: a full store
+            # must continue the run's prefix (checked on the digests, not on the u64s, which may
+            # collide); placeholders and removals only list hashes.
+            if (what == r_what and medium == r_medium and ev.ns_id == r_ns and r_nh + nh <= MAX_RUN_HASHES
+                    and (what == _REMOVED or (kind == r_kind and (what == _PLACEHOLDER or (
+                        block_size == r_bs and ev.parent_hash == r_last
+                        and r_nt + len(tokens) <= MAX_RUN_TOKENS))))):  # type: ignore[arg-type]
+                r_hashes.extend(hashes)
+                if tokens is not None:
+                    r_tokens.extend(tokens)
+                    r_nt += len(tokens)
+                r_nh += nh
             else:
-                out.append(Translated(ev, BlockRemoved(self._hashes(ev, info), ev.medium, GROUP_IDX)))
-                if info is not None:
-                    bit = 1 << ev.tier
-                    # A block we saw stored somewhere and that just left its last such tier is
-                    # gone; one that predates its note (a restart) ages out of the LRU instead.
-                    if info.tiers & bit:
-                        info.tiers &= ~bit
-                        if not info.tiers:
-                            self._drop(key)
+                if r_what >= 0:
+                    out.append(_run_wire(r_what, r_hashes, r_parent, r_tokens, r_bs, r_medium, r_kind, legacy))
+                r_what, r_medium, r_ns, r_kind, r_bs, r_parent = what, medium, ev.ns_id, kind, block_size, parent
+                r_hashes = list(hashes)
+                r_tokens = tokens.tolist() if tokens is not None else []
+                r_nh, r_nt = nh, len(r_tokens)
+            r_last = ev.chain_hash
+        if r_what >= 0:
+            out.append(_run_wire(r_what, r_hashes, r_parent, r_tokens, r_bs, r_medium, r_kind, legacy))
         return out
 
-    @staticmethod
-    def _hashes(ev: StoreEvent, info: _TokenInfo | None) -> tuple[int, ...]:
-        if info is not None and info.units is not None:
-            return tuple(info.units)
-        return (event_hash(ev.chain_hash),)
-
-    def _stored(self, ev: StoreEvent, key: BlockKey, info: _TokenInfo | None,
-                ns: Namespace | None) -> BlockStored:
-        kind = "mla_attention" if ns is not None and ns.attention == "mla" else "full_attention"
-        if info is not None:
-            self._cache.move_to_end(key)
-            info.tiers |= 1 << ev.tier
-            block_size = self._resolve(ev, key, info, ns)
-            if block_size:
-                assert info.units is not None, "_resolve fills the unit hashes"
-                parent = event_hash(ev.parent_hash) if ev.parent_hash is not None else None
-                return BlockStored(tuple(info.units), parent, tuple(info.tokens), block_size,
-                                   medium=ev.medium, group_idx=GROUP_IDX, kv_cache_spec_kind=kind)
-        return BlockStored((event_hash(ev.chain_hash),), None, (), 0, medium=ev.medium,
-                           group_idx=GROUP_IDX, kv_cache_spec_kind=kind)
+    def _step(self, ev: StoreEvent, namespaces: Mapping[bytes, Namespace]) -> _Step:
+        """Update the token cache for one store event and say what it publishes:
+        ``(what, hashes, parent u64, tokens, block_size, kv_cache_spec_kind)``."""
+        key = ev.ns_id + ev.chain_hash  # make_key, inline
+        cache = self._cache
+        info = cache.get(key)
+        if ev.kind is _STORED:
+            ns = namespaces.get(ev.ns_id)
+            kind = "mla_attention" if ns is not None and ns.attention == "mla" else "full_attention"
+            if info is not None:
+                cache.move_to_end(key)
+                info.tiers |= 1 << ev.tier
+                units = info.units
+                if (ns is not None and units is not None and len(info.tokens) == ns.block_tokens
+                        and len(units) * ns.hash_tokens == ns.block_tokens):
+                    block_size = ns.hash_tokens  # what _resolve returns for a note that fits
+                else:
+                    block_size = self._resolve(ev, key, info, ns)
+                if block_size:
+                    assert info.units is not None, "_resolve fills the unit hashes"
+                    p = ev.parent_hash
+                    parent = (None if p is None else int.from_bytes(p[-8:], "big")
+                              if type(p) is bytes and len(p) >= 8 else event_hash(p))
+                    return _FULL, info.units, parent, info.tokens, block_size, kind
+            return _PLACEHOLDER, (event_hash(ev.chain_hash),), None, None, 0, kind
+        if info is None:
+            return _REMOVED, (event_hash(ev.chain_hash),), None, None, 0, None
+        hashes = info.units if info.units is not None else (event_hash(ev.chain_hash),)
+        bit = 1 << ev.tier
+        # A block we saw stored somewhere and that just left its last such tier is gone; one
+        # that predates its note (a restart) ages out of the LRU instead.
+        if info.tiers & bit:
+            info.tiers &= ~bit
+            if not info.tiers:
+                del cache[key]  # _drop, inline
+                self._tokens -= len(info.tokens)
+        return _REMOVED, hashes, None, None, 0, None
 
     def _resolve(self, ev: StoreEvent, key: BlockKey, info: _TokenInfo, ns: Namespace | None) -> int:
         """Fill ``info.units`` and return the block size in tokens per hash; 0: unusable (the
@@ -243,51 +350,3 @@ class EventTranslator:
         if not units or units[-1] != ev.chain_hash:
             return None
         return array("Q", (event_hash(u) for u in units))
-
-
-def _joins(prev: Translated, cur: Translated, tokens: int, hashes: int) -> bool:
-    """Whether ``cur`` extends the run ending in ``prev`` into one wire event."""
-    a, b = prev.event, cur.event
-    if (type(a) is not type(b) or a.medium != b.medium or prev.source.ns_id != cur.source.ns_id
-            or hashes + len(b.block_hashes) > MAX_RUN_HASHES):
-        return False
-    if isinstance(a, BlockRemoved):
-        return True
-    assert isinstance(b, BlockStored)
-    if prev.full != cur.full or a.kv_cache_spec_kind != b.kv_cache_spec_kind:
-        return False
-    if not cur.full:
-        return True  # placeholders only list hashes
-    # One BlockStored covers one chain: cur must continue prev's prefix (checked on the digests,
-    # not on the u64s, which may collide).
-    return (a.block_size == b.block_size and cur.source.parent_hash == prev.source.chain_hash
-            and tokens + len(b.token_ids) <= MAX_RUN_TOKENS)
-
-
-def merge(translated: Sequence[Translated]) -> list[Event]:
-    """Join consecutive per-block events into runs, as vLLM emits them (fewer, larger events):
-    stores of one chain in one medium, placeholders of one medium, removals of one medium."""
-    runs: list[list[Translated]] = []
-    tokens = hashes = 0
-    for t in translated:
-        if runs and _joins(runs[-1][-1], t, tokens, hashes):
-            runs[-1].append(t)
-        else:
-            runs.append([t])
-            tokens = hashes = 0
-        hashes += len(t.event.block_hashes)
-        tokens += len(t.event.token_ids) if isinstance(t.event, BlockStored) else 0
-    return [_combine(run) for run in runs]
-
-
-def _combine(run: list[Translated]) -> Event:
-    first = run[0].event
-    if len(run) == 1:
-        return first
-    hashes = tuple(chain.from_iterable(t.event.block_hashes for t in run))  # C-level concatenation
-    if isinstance(first, BlockRemoved):
-        return BlockRemoved(hashes, first.medium, first.group_idx)
-    tokens = tuple(chain.from_iterable(t.event.token_ids for t in run))  # type: ignore[union-attr]
-    return BlockStored(hashes, first.parent_block_hash, tokens, first.block_size,
-                       medium=first.medium, group_idx=first.group_idx,
-                       kv_cache_spec_kind=first.kv_cache_spec_kind)

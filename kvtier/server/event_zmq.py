@@ -4,7 +4,7 @@ Byte-compatible with vLLM 0.33's ``ZmqEventPublisher``::
 
     asyncio loop                         sender thread (owns every socket)
     ------------                         ---------------------------------
-    submit(seq, batch) ─► queue ─wake─►  encode_batch ─► PUB    [topic, seq u64 BE, payload]
+    submit(seq, batch) ─► queue ─wake─►  msgpack     ─► PUB    [topic, seq u64 BE, payload]
       (full: drop, count)                     └────────► replay buffer (last buffer_steps)
                                          ROUTER ◄─ [id, b"", start]   DEALER
                                                 ─► [id, b"", topic, seq, payload] per seq >= start
@@ -34,11 +34,12 @@ import queue
 import threading
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 import zmq
 from kvtier_protocol.errors import EventError, InvalidRequest, Unavailable
-from kvtier_protocol.events import (EventBatch, encode_batch, live_message, parse_replay_request,
-                                    replay_end, replay_reply)
+from kvtier_protocol.events import (EventBatch, encode_batch, encode_wire_batch, live_message,
+                                    parse_replay_request, replay_end, replay_reply)
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,22 @@ class ZmqStats:
     replay_requests: int = 0  # well-formed replay requests answered (thread)
     replay_bad: int = 0  # replay requests of the wrong shape, ignored (thread)
     replayed: int = 0  # batches sent again through replay (thread)
+
+
+@dataclass(frozen=True, slots=True)
+class WireBatch:
+    """A batch whose events are already in wire form (``EventTranslator.translate_wire`` with
+    the publisher's ``legacy`` setting): the sender thread only packs it."""
+
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+def _encode(batch: EventBatch | WireBatch, legacy: bool) -> bytes:
+    if isinstance(batch, WireBatch):
+        return encode_wire_batch(batch.ts, batch.events, batch.data_parallel_rank)
+    return encode_batch(batch, legacy=legacy)
 
 
 def _open(ctx: zmq.Context, kind: int, endpoint: str, bind: bool, hwm: int, linger: int) -> zmq.Socket:
@@ -109,7 +126,8 @@ class ZmqPublisher:
         self._legacy = legacy
         self._hwm = hwm
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=max(buffer_steps, 0))
-        self._queue: queue.Queue[tuple[int, EventBatch]] = queue.Queue(max(max_queue, 1))  # 0 would be unbounded
+        # max(…, 1): a maxsize of 0 would make the queue unbounded
+        self._queue: queue.Queue[tuple[int, EventBatch | WireBatch]] = queue.Queue(max(max_queue, 1))
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._ctx: zmq.Context | None = None
@@ -155,8 +173,9 @@ class ZmqPublisher:
         self._thread.start()
         return [self.endpoint] + ([self.replay_endpoint] if self.replay_endpoint else [])
 
-    def submit(self, seq: int, batch: EventBatch) -> bool:
-        """Queue one batch for sending; never blocks. False: dropped (queue full or closed)."""
+    def submit(self, seq: int, batch: EventBatch | WireBatch) -> bool:
+        """Queue one batch for sending; never blocks. False: dropped (queue full or closed).
+        A :class:`WireBatch` must be in this publisher's encoding (``legacy``)."""
         if not self.running:
             return False
         try:
@@ -226,7 +245,7 @@ class ZmqPublisher:
             except queue.Empty:
                 return
             try:
-                payload = encode_batch(batch, legacy=self._legacy)
+                payload = _encode(batch, self._legacy)
                 self._pub.send_multipart(live_message(self._topic, seq, payload), flags=zmq.NOBLOCK)
                 self.stats.batches_sent += 1
             except zmq.Again:

@@ -26,11 +26,11 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvtier_protocol.errors import InvalidRequest
-from kvtier_protocol.events import EventBatch, make_topic
+from kvtier_protocol.events import make_topic
 from kvtier_protocol.namespace import Namespace
 
-from kvtier.server.event_translate import BlockTokens, EventTranslator, merge
-from kvtier.server.event_zmq import ZmqPublisher, ZmqStats, endpoint_binds
+from kvtier.server.event_translate import BlockTokens, EventTranslator, Translated
+from kvtier.server.event_zmq import WireBatch, ZmqPublisher, ZmqStats, endpoint_binds
 from kvtier.store.stats import StoreEvent
 
 __all__ = ["BlockTokens", "EventHub", "EventMetrics", "EventsSettings", "HubStats", "default_topic",
@@ -165,23 +165,25 @@ class EventHub:
         """
         if not store_events:
             return 0
-        translated = self._translator.translate(store_events, namespaces)
         ts = time.time()
+        legacy = self.cfg.legacy_array
         sent = 0
-        for start in range(0, len(translated), MAX_BATCH_EVENTS):
-            chunk = translated[start:start + MAX_BATCH_EVENTS]
+        for start in range(0, len(store_events), MAX_BATCH_EVENTS):
+            chunk = store_events if len(store_events) <= MAX_BATCH_EVENTS else \
+                store_events[start:start + MAX_BATCH_EVENTS]
             seq = self._seq
             self._seq += 1
-            events = merge(chunk)
+            translated: list[Translated] | None = [] if self._subscribers else None  # per block, for SSE
+            events = self._translator.translate_wire(chunk, namespaces, legacy, per_block=translated)
             accepted = True  # without ZMQ, a batch is "sent" once made (SSE and metrics)
             if self._zmq is not None:  # False before start(), after close(), or queue full
-                accepted = self._zmq.submit(seq, EventBatch(ts, tuple(events), DATA_PARALLEL_RANK))
+                accepted = self._zmq.submit(seq, WireBatch(ts, events, DATA_PARALLEL_RANK))
             if accepted:
                 sent += len(events)
                 self.stats.batches += 1
                 self.stats.events += len(events)
-            if self._subscribers:
-                self._fan_out([t.as_dict(seq, ts) for t in chunk])
+            if translated:
+                self._fan_out([t.as_dict(seq, ts) for t in translated])
         if sent and self.metrics is not None:
             self.metrics.event_published(sent)
         return sent

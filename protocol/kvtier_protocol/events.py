@@ -30,9 +30,9 @@ __all__ = [
     "DEFAULT_EVENT_LIMITS", "EVENT_TYPES", "MEDIUM_BY_TIER", "MEDIUM_CPU", "MEDIUM_GPU",
     "MEDIUM_REMOTE", "MEDIUM_STORAGE", "REPLAY_END_SEQ", "AllBlocksCleared", "BlockRemoved",
     "BlockStored", "Event", "EventBatch", "EventHash", "EventLimits", "LiveMessage",
-    "decode_batch", "decode_event", "encode_batch", "event_to_wire", "live_message",
+    "decode_batch", "decode_event", "encode_batch", "encode_wire_batch", "event_to_wire", "live_message",
     "make_topic", "parse_live_message", "parse_replay_reply", "parse_replay_request",
-    "parse_topic", "replay_end", "replay_reply", "replay_request",
+    "parse_topic", "removed_wire", "replay_end", "replay_reply", "replay_request", "stored_wire",
 ]
 
 MEDIUM_GPU, MEDIUM_CPU, MEDIUM_STORAGE, MEDIUM_REMOTE = "GPU", "CPU", "STORAGE", "REMOTE"
@@ -154,12 +154,51 @@ def event_to_wire(event: Event, legacy: bool = False) -> dict[str, Any] | list[A
     return tagged
 
 
+def stored_wire(block_hashes: list[EventHash], parent_block_hash: EventHash | None, token_ids: list[int],
+                block_size: int, medium: str | None, group_idx: int | None, kv_cache_spec_kind: str | None,
+                legacy: bool = False) -> dict[str, Any] | list[Any]:
+    """``event_to_wire(BlockStored(...))`` of a publisher's BlockStored (the fields a publisher
+    fills; the others None) built directly from lists, without an event object: the daemon's
+    publish path makes one per run of blocks, ~10^5 per second."""
+    if legacy:
+        out: list[Any] = ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, None,
+                          medium, None, None, group_idx, kv_cache_spec_kind]
+        while len(out) > 1 + BlockStored.REQUIRED and out[-1] is None:
+            out.pop()
+        return out
+    tagged: dict[str, Any] = {"type": "BlockStored", "block_hashes": block_hashes,
+                              "parent_block_hash": parent_block_hash, "token_ids": token_ids,
+                              "block_size": block_size, "lora_id": None, "medium": medium, "lora_name": None}
+    if group_idx is not None:
+        tagged["group_idx"] = group_idx
+    if kv_cache_spec_kind is not None:
+        tagged["kv_cache_spec_kind"] = kv_cache_spec_kind
+    return tagged
+
+
+def removed_wire(block_hashes: list[EventHash], medium: str | None, group_idx: int | None,
+                 legacy: bool = False) -> dict[str, Any] | list[Any]:
+    """``event_to_wire(BlockRemoved(block_hashes, medium, group_idx))`` without the object."""
+    if legacy:
+        return ["BlockRemoved", block_hashes, medium] + ([group_idx] if group_idx is not None else [])
+    if group_idx is None:
+        return {"type": "BlockRemoved", "block_hashes": block_hashes, "medium": medium}
+    return {"type": "BlockRemoved", "block_hashes": block_hashes, "medium": medium, "group_idx": group_idx}
+
+
+def encode_wire_batch(ts: float, events: list[Any], data_parallel_rank: int | None = None) -> bytes:
+    """Encode a batch whose events are already in wire form (:func:`event_to_wire`,
+    :func:`stored_wire`, :func:`removed_wire`): the same bytes as :func:`encode_batch`."""
+    wire: list[Any] = [float(ts), events]
+    if data_parallel_rank is not None:
+        wire.append(data_parallel_rank)
+    return msgpack.packb(wire, use_bin_type=True)
+
+
 def encode_batch(batch: EventBatch, legacy: bool = False) -> bytes:
     """Encode a batch exactly as vLLM 0.33's msgspec encoder does (``legacy``: array events)."""
-    wire: list[Any] = [float(batch.ts), [event_to_wire(e, legacy) for e in batch.events]]
-    if batch.data_parallel_rank is not None:
-        wire.append(batch.data_parallel_rank)
-    return msgpack.packb(wire, use_bin_type=True)
+    return encode_wire_batch(batch.ts, [event_to_wire(e, legacy) for e in batch.events],
+                             batch.data_parallel_rank)
 
 
 # --- decoding ----------------------------------------------------------------------------------
@@ -217,11 +256,30 @@ def _extra_keys(name: str, value: Any, limits: EventLimits) -> tuple[Any, ...]:
     return tuple(out)
 
 
+_BOOLS = frozenset((True, False))
+
+
+def _all_ints(items: list[Any]) -> bool:
+    """Whether every element is an ``int`` and none a bool, in C-level passes (batches carry
+    ~10^6 token ids a second; a Python call per element would be the decoder's main cost).
+
+    ``sum`` raises TypeError on anything that is not a number and returns a float when a float
+    is present, so an int result leaves ints and bools (all msgpack can decode to a number).
+    Bools equal 0 and 1, so the set test also turns away lists holding a 0 or a 1: those take
+    the exact test (the set of element types), still in C.
+    """
+    try:
+        if type(sum(items)) is not int:
+            return False
+    except (TypeError, OverflowError):  # OverflowError: a float after a sum beyond float range
+        return False
+    return _BOOLS.isdisjoint(items) or set(map(type, items)) <= {int}
+
+
 def _ints(name: str, value: Any, limits: EventLimits) -> tuple[int, ...]:
-    """An array of integers as a tuple. The all-int case is checked in one C-level pass (the set
-    of element types) instead of a Python call per element: batches carry ~10^5 token ids."""
+    """An array of integers as a tuple (per-element checks only to name a bad element)."""
     items = _list(name, value, limits)
-    if set(map(type, items)) <= {int}:
+    if _all_ints(items):
         return tuple(items)
     return tuple(_int(name, t) for t in items)  # names the offending element
 
@@ -229,7 +287,7 @@ def _ints(name: str, value: Any, limits: EventLimits) -> tuple[int, ...]:
 def _hashes(name: str, value: Any, limits: EventLimits) -> tuple[EventHash, ...]:
     """Block hashes as a tuple: the all-u64/i64 case in C-level passes (types, min, max)."""
     items = _list(name, value, limits)
-    if set(map(type, items)) <= {int} and (not items or (min(items) >= _HASH_MIN and max(items) <= _HASH_MAX)):
+    if _all_ints(items) and (not items or (min(items) >= _HASH_MIN and max(items) <= _HASH_MAX)):
         return tuple(items)
     return tuple(_hash(name, h) for h in items)
 

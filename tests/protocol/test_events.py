@@ -145,6 +145,47 @@ def test_malformed_batches_are_event_errors(wire: Any) -> None:
         ev.decode_batch(msgpack.packb(wire))
 
 
+@pytest.mark.parametrize("bad", [[5, True], [False], [0, 1, 1.0], [7, None], [3, "4"], [2, [1]], [1, b"x"],
+                                 [10, 2.5, -12.5], [{"a": 1}]])
+@pytest.mark.parametrize("field", ["token_ids", "block_hashes"])
+def test_token_and_hash_arrays_are_checked_element_by_element(bad: list[Any], field: str) -> None:
+    """The C-level fast paths (sum, a bool set test, min/max) must refuse what the per-element
+    checks refuse: bools, floats (even ones summing to an int), nil, strings, arrays, maps."""
+    if field == "block_hashes" and bad == [1, b"x"]:
+        bad = [1, b""]  # a digest is 1..64 bytes
+    stored = {"type": "BlockStored", "block_hashes": [1], "token_ids": [], "block_size": 1, field: bad}
+    with pytest.raises(EventError):
+        ev.decode_batch(msgpack.packb([1.0, [stored]]))
+
+
+@pytest.mark.parametrize("tokens", [[], [0, 1, 2], [1, 0], list(range(300)) + [1 << 40, -5], [(1 << 64) - 1]])
+def test_integer_arrays_with_zero_and_one_decode(tokens: list[int]) -> None:
+    wire = [1.0, [{"type": "BlockStored", "block_hashes": [0, 1, -(1 << 63), (1 << 64) - 1], "token_ids": tokens,
+                   "block_size": 1}]]
+    (e,) = ev.decode_batch(msgpack.packb(wire)).events
+    assert e.token_ids == tuple(tokens) and type(e.token_ids) is tuple and e.block_hashes[:2] == (0, 1)
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+@pytest.mark.parametrize("medium,group_idx,kind", [("CPU", 0, "full_attention"), ("GPU", 3, None),
+                                                   (None, None, "mla_attention"), (None, None, None)])
+def test_wire_builders_match_event_to_wire(legacy: bool, medium: str | None, group_idx: int | None,
+                                           kind: str | None) -> None:
+    stored = ev.BlockStored((1, 2), 7, (5, 6, 7, 8), 2, medium=medium, group_idx=group_idx,
+                            kv_cache_spec_kind=kind)
+    placeholder = ev.BlockStored((9,), None, (), 0, medium=medium, group_idx=group_idx, kv_cache_spec_kind=kind)
+    removed = ev.BlockRemoved((1, 2), medium, group_idx)
+    built = [ev.stored_wire([1, 2], 7, [5, 6, 7, 8], 2, medium, group_idx, kind, legacy),
+             ev.stored_wire([9], None, [], 0, medium, group_idx, kind, legacy),
+             ev.removed_wire([1, 2], medium, group_idx, legacy)]
+    objects = (stored, placeholder, removed)
+    assert built == [ev.event_to_wire(e, legacy) for e in objects]
+    assert [list(w) for w in built] == [list(ev.event_to_wire(e, legacy)) for e in objects]  # key order
+    for rank in (0, None):
+        batch = ev.EventBatch(12.25, objects, rank)
+        assert ev.encode_wire_batch(12.25, built, rank) == ev.encode_batch(batch, legacy)
+
+
 @pytest.mark.parametrize("data", [b"", b"\xc1", b"\x92\xcb", msgpack.packb([1.0, []]) + b"\0",
                                   msgpack.packb(msgpack.ExtType(1, b"x")), b"\xff" * 9,
                                   b"\x92\x00\x91\x82\xa4type\xa1x\xa4type\xa1y"])

@@ -14,9 +14,9 @@ import pytest
 from kvtier.bench.events import Workload
 from kvtier.bench.report import Row
 from kvtier.cli import main
-from kvtier.server.event_translate import EventTranslator, merge
+from kvtier.server.event_translate import EventTranslator
 from kvtier.store.stats import EventKind
-from kvtier_protocol.events import BlockRemoved, BlockStored, decode_batch
+from kvtier_protocol.events import BlockRemoved, BlockStored, decode_batch, decode_event
 
 
 def test_quick_events_bench_writes_both_rows_per_geometry(tmp_path: Path) -> None:
@@ -52,11 +52,11 @@ def test_workload_alternates_stores_and_their_removals() -> None:
     # removals carrying the same unit hashes.
     translator = EventTranslator()
     translator.note_blocks(work.ns.ns_id, work.notes[0])
-    stored_wire = merge(translator.translate(first, {work.ns.ns_id: work.ns}))
+    stored_wire = [decode_event(w) for w in translator.translate_wire(first, {work.ns.ns_id: work.ns})]
     assert all(isinstance(e, BlockStored) and e.medium == "CPU" for e in stored_wire)
     assert sum(len(e.block_hashes) for e in stored_wire) == 50 * 4
     assert sum(len(e.token_ids) for e in stored_wire) == 50 * 64
-    removed_wire = merge(translator.translate(work.publishes[1], {work.ns.ns_id: work.ns}))
+    removed_wire = [decode_event(w) for w in translator.translate_wire(work.publishes[1], {work.ns.ns_id: work.ns})]
     assert all(isinstance(e, BlockRemoved) for e in removed_wire)
     assert sum(len(e.block_hashes) for e in removed_wire) == 50 * 4
     assert all(decode_batch(b).events for b in work.batches)  # the raw baseline sends real batches

@@ -9,6 +9,7 @@ demotions and removals index exactly what the store holds.
 from __future__ import annotations
 
 import os
+import random
 import time
 from collections.abc import AsyncIterator, Iterator
 
@@ -16,14 +17,16 @@ import msgpack
 import pytest
 import zmq
 from kvtier_protocol.errors import InvalidRequest, Unavailable
-from kvtier_protocol.events import (BlockStored, decode_batch, parse_live_message, parse_replay_reply,
-                                    replay_request)
+from kvtier_protocol.events import (BlockRemoved, BlockStored, Event, EventBatch, decode_batch, encode_batch,
+                                    event_to_wire, parse_live_message, parse_replay_reply, replay_request)
 from kvtier_protocol.header import BlockHeader, Section, encode_header, payload_checksum
 from kvtier_protocol.keys import block_keys, chain_hashes, event_hash
 from kvtier_protocol.namespace import Namespace
 
 from kvtier.config import EventsConfig
-from kvtier.server.event_translate import BlockTokens, EventTranslator, merge
+from kvtier.server import event_translate
+from kvtier.server.event_translate import BlockTokens, EventTranslator, Translated
+from kvtier.server.event_zmq import WireBatch, ZmqPublisher
 from kvtier.server.events import EventHub, default_topic, endpoint_binds
 from kvtier.store.config import StoreConfig
 from kvtier.store.stats import EventKind, StoreEvent
@@ -388,7 +391,7 @@ def test_demotion_order_within_one_batch() -> None:
     evs = [StoreEvent(kind, tier, NS.ns_id, keys[0], None, 32)
            for kind, tier in ((EventKind.STORED, Tier.HOST), (EventKind.STORED, Tier.DISK),
                               (EventKind.REMOVED, Tier.HOST))]
-    out = merge(tr.translate(evs, {NS.ns_id: NS}))
+    out = reference_merge(tr.translate(evs, {NS.ns_id: NS}))
     assert [(type(e).__name__, e.medium) for e in out] == [("BlockStored", "CPU"), ("BlockStored", "STORAGE"),
                                                           ("BlockRemoved", "CPU")]
     assert out[1].token_ids == tuple(range(32)) and out[2].block_hashes == tuple(event_hash(u) for u in units)
@@ -441,7 +444,7 @@ def test_mla_namespace_kind_and_run_merging() -> None:
     evs = [StoreEvent(EventKind.STORED, Tier.HOST, mla.ns_id, k, keys[i - 1] if i else None, 16)
            for i, k in enumerate(keys)]
     evs.append(StoreEvent(EventKind.STORED, Tier.HOST, mla.ns_id, bytes(32), None, 16))  # placeholder
-    (run, ph) = merge(tr.translate(evs, {mla.ns_id: mla}))
+    (run, ph) = reference_merge(tr.translate(evs, {mla.ns_id: mla}))
     assert run.kv_cache_spec_kind == "mla_attention" and run.token_ids == tuple(tokens)
     assert run.block_hashes == tuple(event_hash(k) for k in keys) and ph.token_ids == ()
 
@@ -478,3 +481,157 @@ async def test_sse_subscribers_get_dicts_and_a_full_queue_drops_only_its_own(sto
     pump(store, hub)
     assert [fast.get_nowait()["type"] for _ in range(3)] == ["BlockRemoved"] * 3
     assert hub.num_subscribers == 1 and slow.qsize() == 1
+
+
+# --- the publish path: translate_wire == event_to_wire(reference_merge(translate)) --------------
+
+
+def _joins(prev: Translated, cur: Translated, tokens: int, hashes: int) -> bool:
+    """Whether ``cur`` extends the run ending in ``prev`` into one wire event (the object-level
+    rule the daemon used before translate_wire; kept here as the oracle)."""
+    a, b = prev.event, cur.event
+    if (type(a) is not type(b) or a.medium != b.medium or prev.source.ns_id != cur.source.ns_id
+            or hashes + len(b.block_hashes) > event_translate.MAX_RUN_HASHES):
+        return False
+    if isinstance(a, BlockRemoved):
+        return True
+    if prev.full != cur.full or a.kv_cache_spec_kind != b.kv_cache_spec_kind:
+        return False
+    if not cur.full:
+        return True  # placeholders only list hashes
+    return (a.block_size == b.block_size and cur.source.parent_hash == prev.source.chain_hash
+            and tokens + len(b.token_ids) <= event_translate.MAX_RUN_TOKENS)
+
+
+def reference_merge(translated: list[Translated]) -> list[Event]:
+    """Consecutive per-block events joined into runs, object by object."""
+    runs: list[list[Translated]] = []
+    tokens = hashes = 0
+    for t in translated:
+        if runs and _joins(runs[-1][-1], t, tokens, hashes):
+            runs[-1].append(t)
+        else:
+            runs.append([t])
+            tokens = hashes = 0
+        hashes += len(t.event.block_hashes)
+        tokens += len(t.event.token_ids) if isinstance(t.event, BlockStored) else 0
+    out: list[Event] = []
+    for run in runs:
+        first = run[0].event
+        hashes_ = tuple(h for t in run for h in t.event.block_hashes)
+        if isinstance(first, BlockRemoved):
+            out.append(BlockRemoved(hashes_, first.medium, first.group_idx))
+        else:
+            out.append(BlockStored(hashes_, first.parent_block_hash, tuple(x for t in run for x in t.event.token_ids),
+                                   first.block_size, medium=first.medium, group_idx=first.group_idx,
+                                   kv_cache_spec_kind=first.kv_cache_spec_kind))
+    return out
+
+
+def _scenario(rng: random.Random) -> tuple[list[tuple[bytes, list[BlockTokens]] | list[StoreEvent]],
+                                           dict[bytes, Namespace]]:
+    """Random notes and store events over three namespaces (two hash units per block, MLA with
+    one, one the translator is not told about), with good, unit-less, wrong and malformed notes,
+    broken chains, placeholders and repeated tiers."""
+    mla = Namespace(model="m", revision="r", attention="mla", num_layers=1, num_kv_heads=1, head_dim=32,
+                    head_dim_v=0, kv_dtype="float16", block_tokens=16, hash_tokens=16)
+    unknown = Namespace(model="u", revision="r", attention="mha", num_layers=1, num_kv_heads=1, head_dim=32,
+                        kv_dtype="float16", block_tokens=16, hash_tokens=16)
+    blocks = []  # (ns, tokens, units, key, parent)
+    for ns in (NS, mla, unknown):
+        tokens = [rng.randrange(1 << (34 if rng.random() < 0.1 else 17)) for _ in range(6 * ns.block_tokens)]
+        units = chain_hashes(tokens, ns.hash_tokens, extras=ns.extra_keys())
+        keys = block_keys(units, ns.units_per_block)
+        upb, bt = ns.units_per_block, ns.block_tokens
+        blocks += [(ns, tuple(tokens[i * bt:(i + 1) * bt]), tuple(units[i * upb:(i + 1) * upb]), k,
+                    keys[i - 1] if i else None) for i, k in enumerate(keys)]
+    steps: list[tuple[bytes, list[BlockTokens]] | list[StoreEvent]] = []
+    for _ in range(rng.randrange(1, 8)):
+        if rng.random() < 0.4:
+            ns = rng.choice((NS, mla, unknown))
+            notes = []
+            for b_ns, tokens, units, key, parent in blocks:
+                if b_ns is not ns or rng.random() < 0.3:
+                    continue
+                how = rng.random()
+                if how < 0.2:
+                    units = ()
+                elif how < 0.25:
+                    tokens = tuple(t + 1 for t in tokens)  # not this block's tokens
+                elif how < 0.3:
+                    units = units[::-1]  # malformed when there are two
+                notes.append(BlockTokens(key, parent, tokens, units))
+            steps.append((ns.ns_id, notes))
+        else:
+            events = []
+            for _ in range(rng.randrange(1, 40)):
+                b_ns, _, _, key, parent = rng.choice(blocks)
+                if rng.random() < 0.1:
+                    parent = rng.choice(blocks)[3]
+                events.append(StoreEvent(rng.choice((EventKind.STORED, EventKind.STORED, EventKind.REMOVED)),
+                                         rng.choice((Tier.HOST, Tier.HOST, Tier.DISK, Tier.GPU)), b_ns.ns_id,
+                                         key, parent, b_ns.block_tokens))
+            steps.append(events)
+    return steps, {NS.ns_id: NS, mla.ns_id: mla}
+
+
+@pytest.mark.parametrize("limits", [(1 << 14, 1 << 16), (3, 64)])  # (hashes, tokens) per run
+def test_translate_wire_equals_the_object_path(limits: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(event_translate, "MAX_RUN_HASHES", limits[0])
+    monkeypatch.setattr(event_translate, "MAX_RUN_TOKENS", limits[1])
+    rng = random.Random(7)
+    for _ in range(150):
+        steps, namespaces = _scenario(rng)
+        fast, slow = EventTranslator(max_blocks=12), EventTranslator(max_blocks=12)
+        legacy = rng.random() < 0.3
+        for step in steps:
+            if isinstance(step, tuple):
+                fast.note_blocks(*step)
+                slow.note_blocks(*step)
+                continue
+            wire = fast.translate_wire(step, namespaces, legacy)
+            assert wire == [event_to_wire(e, legacy) for e in reference_merge(slow.translate(step, namespaces))]
+            assert (len(fast), fast._tokens, fast.invalid_notes) == (len(slow), slow._tokens, slow.invalid_notes)
+
+
+async def test_hub_with_and_without_sse_subscribers_publishes_the_same_bytes(store, hubs, zctx) -> None:
+    plain = started(hubs, events_config())
+    watched = started(hubs, events_config())
+    watched.subscribe(maxsize=100)
+    socks = [subscriber(zctx, h.endpoints[0]) for h in (plain, watched)]
+    time.sleep(0.3)  # slow joiner
+    await put_prompt(store, plain, 3)
+    events = store.take_events()
+    _, units, keys = prompt(3)
+    watched.note_blocks(NS.ns_id, [BlockTokens(k, keys[b - 1] if b else None,
+                                               tuple(range(b * 32, b * 32 + 32)), tuple(units[2 * b:2 * b + 2]))
+                                   for b, k in enumerate(keys)])
+    namespaces = {NS.ns_id: NS}
+    try:
+        assert plain.publish(events, namespaces) == watched.publish(events, namespaces) == 1
+        (a,), (b,) = receive(socks[0], 1), receive(socks[1], 1)
+    finally:
+        for sock in socks:
+            sock.close(linger=0)
+    assert msgpack.unpackb(a[2])[1] == msgpack.unpackb(b[2])[1]  # everything but the timestamp
+    assert decode_batch(a[2]).events[0].token_ids == tuple(range(96))
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_sender_packs_event_batches_and_wire_batches_alike(zctx, legacy: bool) -> None:
+    pub = ZmqPublisher("tcp://127.0.0.1:*", replay_endpoint=None, topic=TOPIC, legacy=legacy, buffer_steps=4,
+                       hwm=100, max_queue=10)
+    (endpoint,) = pub.start()
+    sub = subscriber(zctx, endpoint)
+    try:
+        time.sleep(0.3)  # slow joiner
+        objects = (BlockStored((1, 2), None, (5, 6, 7, 8), 2, medium="CPU", group_idx=0,
+                               kv_cache_spec_kind="full_attention"), BlockRemoved((1, 2), "CPU", 0))
+        assert pub.submit(0, EventBatch(3.5, objects, 0))
+        assert pub.submit(1, WireBatch(3.5, [event_to_wire(e, legacy) for e in objects], 0))
+        a, b = receive(sub, 2)
+    finally:
+        sub.close(linger=0)
+        pub.close()
+    assert a[2] == b[2] == encode_batch(EventBatch(3.5, objects, 0), legacy)
+    assert decode_batch(a[2]).events == objects

@@ -74,8 +74,8 @@ class DiskTier:
             refused (StorageError) before RocksDB sees it. RocksDB treats a failed write (ENOSPC)
             as a sticky error: every later write and the close fail, and a reopen must flush the
             log into new files, which fails on a full disk too. The margin covers the memtables
-            (in the log until flushed, then written again as blob files). Default: twice the
-            memtable budget (``write_buffer_bytes * 4``).
+            (in the log until flushed, then written again as blob files). Default: eight
+            memtables (``write_buffer_bytes * 8``), over twice the 3 RocksDB may hold.
 
     Raises:
         StorageError: the database cannot be opened (bad path, permissions, corruption).
@@ -114,7 +114,7 @@ class DiskTier:
         records.set_blob_compression_type(DBCompressionType.none())  # raw KV does not compress (DESIGN §3)
         records.set_compression_type(DBCompressionType.none())
         records.set_write_buffer_size(write_buffer_bytes)
-        records.set_max_write_buffer_number(4)  # keep accepting writes while earlier memtables flush
+        records.set_max_write_buffer_number(3)  # keep accepting writes while one or two memtables flush
         meta = Options(raw_mode=True)
         self._write_opts = WriteOptions()
         self._write_opts.sync = sync_writes
@@ -319,13 +319,14 @@ _malloc_tuned = False
 def ram_budget(host_bytes: int) -> tuple[int, int]:
     """``(write_buffer_bytes, malloc_trim_bytes)`` for a daemon whose host tier holds ``host_bytes``.
 
-    The disk tier's RAM (up to 4 memtables of whole values, and the freed buffers glibc keeps)
+    The disk tier's RAM (up to 3 memtables of whole values, and the freed buffers glibc keeps)
     is sized from the host tier, so that the daemon stays within its tiers + 10 %: each is
-    1/64 of the host tier, within 1-64 MiB (memtables) and 8-512 MiB (trim threshold). A
-    64 MiB memtable whatever the tiers cost ~90 MiB of RAM beside a 32 MiB host tier
-    (``kvtier bench soak``); below 4 GiB of host tier, flushes come more often, in smaller files.
+    1/128 of the host tier (3 memtables: 2.3 %), within 1-64 MiB (memtables) and 8-512 MiB (trim
+    threshold). A 64 MiB memtable whatever the tiers cost ~90 MiB of RAM beside a 32 MiB host
+    tier, and 1/64 still put a 1 GiB host tier 1.5 % over the bound (``kvtier bench soak``);
+    below 8 GiB of host tier, flushes come more often, in smaller files.
     """
-    share = host_bytes // 64
+    share = host_bytes // 128
     return min(64 * MIB, max(MIB, share)), min(512 * MIB, max(8 * MIB, share))
 
 

@@ -17,7 +17,7 @@ with warnings.catch_warnings():  # vLLM's import chain warns about torch APIs (f
     warnings.simplefilter("ignore", DeprecationWarning)
     vllm = pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base",
                                reason="vLLM 0.33 interfaces not importable (build them with "
-                                      "../shared/tools/engine-iface-env.sh)")
+                                      "tools/conformance.sh)")
     import msgspec  # vLLM's own dependency
     import zmq
     from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch

@@ -32,15 +32,15 @@ import random
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from kvtier.bench.daemon import BenchDaemon
-from kvtier.bench.report import (Row, Samples, SuiteResult, Timer, alternate, gbps, latency_row, progress,
-                                 throughput_row)
+from kvtier.bench.report import (Row, Samples, SuiteResult, Timer, alternate, gbps, latency_row, latencies_ms,
+                                 progress, quantile, throughput_row)
 from kvtier.client import Client
 from kvtier.store.scrub import MAX_DELAY_S
 from kvtier_protocol.header import BlockHeader, Section, decode_header, encode_header, payload_checksum
@@ -243,9 +243,9 @@ def _lookup_rows(shm: Client, tcp: Client, num_keys: int, calls: int, reps: int)
 
         def sample(kind: str, fn: Callable[[], object]) -> Callable[[], float]:
             def once() -> float:
-                lat = _latencies(fn, calls)
-                p50s[kind].append(_quantile(lat, 0.50))
-                p99s[kind].append(_quantile(lat, 0.99))
+                lat = latencies_ms(fn, calls)
+                p50s[kind].append(quantile(lat, 0.50))
+                p99s[kind].append(quantile(lat, 0.99))
                 return p50s[kind][-1]
             return once
 
@@ -257,22 +257,6 @@ def _lookup_rows(shm: Client, tcp: Client, num_keys: int, calls: int, reps: int)
             rows.append(latency_row(case, metric, "ms", kv, "ping round trip, same socket", base))
     shm.clear(NS)
     return rows
-
-
-def _latencies(fn: Callable[[], object], calls: int) -> list[float]:
-    """Milliseconds of each of ``calls`` back-to-back calls of ``fn``."""
-    out = []
-    clock = time.perf_counter
-    for _ in range(calls):
-        start = clock()
-        fn()
-        out.append((clock() - start) * 1e3)
-    return out
-
-
-def _quantile(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 __all__ = ["DESCRIPTION", "add_arguments", "run"]

@@ -37,14 +37,14 @@ import random
 import shutil
 import sys
 import tempfile
-import time
 import tracemalloc
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.bench.daemon import BenchDaemon
-from kvtier.bench.report import Row, Samples, SuiteResult, Timer, alternate, latency_row, progress, throughput_row
+from kvtier.bench.report import (Row, Samples, SuiteResult, Timer, alternate, latencies_ms, latency_row, progress,
+                                 quantile, throughput_row)
 from kvtier.client import Client
 from kvtier.store.index import BlockIndex, BlockMeta
 from kvtier.store.types import Slot, Tier
@@ -170,23 +170,6 @@ def _latency_rows(case: str, fn: Callable[[], object], ping: Callable[[], object
     return [latency_row(case, metric, "ms", Samples(by["kv"][1:]), "ping round trip, same socket",
                         Samples(by["ping"][1:]))  # [0]: alternate()'s warm-up
             for metric, by in (("p50", p50s), ("p99", p99s))]
-
-
-def latencies_ms(fn: Callable[[], object], calls: int) -> list[float]:
-    """Milliseconds of each of ``calls`` back-to-back calls of ``fn``."""
-    out = []
-    clock = time.perf_counter
-    for _ in range(calls):
-        start = clock()
-        fn()
-        out.append((clock() - start) * 1e3)
-    return out
-
-
-def quantile(values: Sequence[float], q: float) -> float:
-    """The ``q`` quantile (nearest rank) of ``values``."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 # --- the index in process ----------------------------------------------------------------------
@@ -336,5 +319,5 @@ def _index_rows(stored: list[int], walk_keys: int, block_tokens: int, walks: int
     return rows
 
 
-__all__ = ["DESCRIPTION", "BuiltIndex", "add_arguments", "build_index", "label", "latencies_ms", "parse_count",
-           "quantile", "run"]
+__all__ = ["DESCRIPTION", "BuiltIndex", "add_arguments", "build_index", "label", "parse_count",
+           "run"]

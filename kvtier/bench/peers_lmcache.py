@@ -21,7 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.bench.peers_pool import RunFigures, quantile
+from kvtier.bench.peers_pool import RunFigures
+from kvtier.bench.report import quantile
 
 
 @dataclass(slots=True)

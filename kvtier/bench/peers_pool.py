@@ -18,7 +18,7 @@ from typing import Any
 
 import kvtier
 import kvtier_protocol
-from kvtier.bench.report import progress
+from kvtier.bench.report import progress, quantile
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,12 +29,6 @@ class RunFigures:
     p50_ms: float
     p99_ms: float
     calls: int
-
-
-def quantile(values: list[float], q: float) -> float:
-    """The nearest-rank quantile (no interpolation: p99 of few calls is their slowest)."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 class WorkerPool:

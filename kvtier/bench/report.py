@@ -105,6 +105,26 @@ def alternate(
     return Samples(kv), Samples(base)
 
 
+def quantile(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` by nearest rank (no interpolation: the p99 of a few calls
+    is their slowest); NaN for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def latencies_ms(fn: Callable[[], object], calls: int) -> list[float]:
+    """Milliseconds of each of ``calls`` back-to-back calls of ``fn``."""
+    out = []
+    clock = time.perf_counter
+    for _ in range(calls):
+        start = clock()
+        fn()
+        out.append((clock() - start) * 1e3)
+    return out
+
+
 def gbps(nbytes: int, seconds: float) -> float:
     """Decimal gigabytes per second."""
     return nbytes / seconds / 1e9 if seconds > 0 else math.inf

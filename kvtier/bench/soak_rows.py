@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.bench.report import Row, Samples, SuiteResult, latency_row
+from kvtier.bench.report import Row, Samples, SuiteResult, latency_row, quantile
 from kvtier.bench.soak_proc import Sampler
 from kvtier.bench.soak_worker import OPS
 
@@ -91,13 +90,6 @@ class Figures:
         return lines
 
 
-def _quantile(values: Sequence[float], q: float) -> float:
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def _must_be_zero(case: str, metric: str, unit: str, value: float) -> Row:
     return Row(case, metric, unit, value, MUST_BE_ZERO, 0.0, 1.0 if value == 0 else 0.0)
 
@@ -116,8 +108,8 @@ def _op_rows(fig: Figures, op: str, seconds: float, total_ops: int, ping_ms: lis
     base_name, base = ("ping, idle daemon, 1 client", fig.idle_ping_ms) if op == "ping" else \
         ("ping under the same load", ping_ms)
     for metric, q in (("p50", 0.50), ("p99", 0.99)):
-        out.append(latency_row(op, metric, "ms", Samples([_quantile(k["latencies_ms"], q)]), base_name,
-                               Samples([_quantile(base, q)])))
+        out.append(latency_row(op, metric, "ms", Samples([quantile(k["latencies_ms"], q)]), base_name,
+                               Samples([quantile(base, q)])))
     if op == "save":
         sent = k["stored"] + k["exists"] + k["full"]
         out += [_count(op, "blocks stored", k["stored"], "blocks sent", sent),

@@ -79,12 +79,6 @@ def test_counts_parse_and_label(text: str, n: int) -> None:
     assert lookup.parse_count(lookup.label(n)) == n
 
 
-def test_quantile_is_nearest_rank() -> None:
-    values = [float(v) for v in range(1, 101)]
-    assert lookup.quantile(values, 0.5) == 51.0 and lookup.quantile(values, 0.99) == 100.0
-    assert lookup.quantile([3.0], 0.99) == 3.0
-
-
 def test_index_smaller_than_one_walk_is_refused(short_dir: Path) -> None:
     with pytest.raises(SystemExit, match="at least 512 blocks"):
         main(["bench", "lookup", "--stored", "100,1K", "--work-dir", str(short_dir)])

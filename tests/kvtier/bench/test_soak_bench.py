@@ -12,7 +12,6 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import pytest
 
 from kvtier.bench import soak
 from kvtier.bench.soak import Plan, Run

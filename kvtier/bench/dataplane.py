@@ -39,8 +39,8 @@ from pathlib import Path
 import torch
 
 from kvtier.bench.daemon import BenchDaemon
-from kvtier.bench.report import (Row, Samples, SuiteResult, Timer, alternate, gbps, latency_row, latencies_ms,
-                                 progress, quantile, throughput_row)
+from kvtier.bench.report import (Row, SuiteResult, Timer, alternate, gbps, ping_latency_rows, progress,
+                                 throughput_row)
 from kvtier.client import Client
 from kvtier.store.scrub import MAX_DELAY_S
 from kvtier_protocol.header import BlockHeader, Section, decode_header, encode_header, payload_checksum
@@ -238,23 +238,8 @@ def _lookup_rows(shm: Client, tcp: Client, num_keys: int, calls: int, reps: int)
     progress(f"dataplane: in-process dict walk of the same keys: {t.seconds / calls * 1e3:.4f} ms per call")
     rows: list[Row] = []
     for name, client in (("unix socket", shm), ("tcp", tcp)):
-        p50s: dict[str, list[float]] = {"lookup": [], "ping": []}
-        p99s: dict[str, list[float]] = {"lookup": [], "ping": []}
-
-        def sample(kind: str, fn: Callable[[], object]) -> Callable[[], float]:
-            def once() -> float:
-                lat = latencies_ms(fn, calls)
-                p50s[kind].append(quantile(lat, 0.50))
-                p99s[kind].append(quantile(lat, 0.99))
-                return p50s[kind][-1]
-            return once
-
-        alternate(sample("lookup", lambda c=client: c.lookup(NS, hashes, degrade=False)),
-                  sample("ping", client.ping), repetitions=reps)
-        case = f"lookup {len(hashes)} keys, {name}, vs ping"
-        for metric, by_kind in (("p50", p50s), ("p99", p99s)):
-            kv, base = Samples(by_kind["lookup"][1:]), Samples(by_kind["ping"][1:])  # [0]: warm-up
-            rows.append(latency_row(case, metric, "ms", kv, "ping round trip, same socket", base))
+        rows += ping_latency_rows(f"lookup {len(hashes)} keys, {name}, vs ping",
+                                  lambda c=client: c.lookup(NS, hashes, degrade=False), client.ping, calls, reps)
     shm.clear(NS)
     return rows
 

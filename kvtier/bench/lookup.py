@@ -43,8 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.bench.daemon import BenchDaemon
-from kvtier.bench.report import (Row, Samples, SuiteResult, Timer, alternate, latencies_ms, latency_row, progress,
-                                 quantile, throughput_row)
+from kvtier.bench.report import (Row, Samples, SuiteResult, Timer, alternate, latency_row, ping_latency_rows,
+                                 progress, throughput_row)
 from kvtier.client import Client
 from kvtier.store.index import BlockIndex, BlockMeta
 from kvtier.store.types import Slot, Tier
@@ -141,7 +141,7 @@ def _daemon_rows(prompts: list[int], block_tokens: int, calls: int, reps: int, w
                 if found.num_hits != len(keys):
                     raise RuntimeError(f"lookup: the daemon found {found.num_hits} of {len(keys)} stored keys")
                 progress(f"lookup: daemon, {label(tokens)}-token prompt ({len(keys)} keys), {calls} calls x {reps}")
-                rows += _latency_rows(f"daemon lookup {label(tokens)} tokens ({len(keys)} keys), unix socket",
+                rows += ping_latency_rows(f"daemon lookup {label(tokens)} tokens ({len(keys)} keys), unix socket",
                                       lambda k=keys: client.lookup(NS, k, degrade=False), client.ping, calls, reps)
     except Exception:
         progress(f"lookup: failed; the daemon's log ends with:\n{daemon.log_tail()}")
@@ -150,26 +150,6 @@ def _daemon_rows(prompts: list[int], block_tokens: int, calls: int, reps: int, w
         daemon.stop()
         shutil.rmtree(work, ignore_errors=True)
     return rows
-
-
-def _latency_rows(case: str, fn: Callable[[], object], ping: Callable[[], object], calls: int,
-                  reps: int) -> list[Row]:
-    """p50 and p99 rows of ``fn`` next to ``ping``, alternating, per-repetition quantiles."""
-    p50s: dict[str, list[float]] = {"kv": [], "ping": []}
-    p99s: dict[str, list[float]] = {"kv": [], "ping": []}
-
-    def sample(kind: str, f: Callable[[], object]) -> Callable[[], float]:
-        def once() -> float:
-            lat = latencies_ms(f, calls)
-            p50s[kind].append(quantile(lat, 0.50))
-            p99s[kind].append(quantile(lat, 0.99))
-            return p50s[kind][-1]
-        return once
-
-    alternate(sample("kv", fn), sample("ping", ping), repetitions=reps)
-    return [latency_row(case, metric, "ms", Samples(by["kv"][1:]), "ping round trip, same socket",
-                        Samples(by["ping"][1:]))  # [0]: alternate()'s warm-up
-            for metric, by in (("p50", p50s), ("p99", p99s))]
 
 
 # --- the index in process ----------------------------------------------------------------------

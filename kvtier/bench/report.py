@@ -125,6 +125,28 @@ def latencies_ms(fn: Callable[[], object], calls: int) -> list[float]:
     return out
 
 
+def ping_latency_rows(case: str, fn: Callable[[], object], ping: Callable[[], object], calls: int,
+                      reps: int) -> list[Row]:
+    """p50 and p99 rows of ``fn`` next to ``ping`` (the round trip every call pays), ``calls``
+    back-to-back calls per repetition, the two alternating; quantiles per repetition, the first
+    repetition (alternate()'s warm-up) left out."""
+    p50s: dict[str, list[float]] = {"kv": [], "ping": []}
+    p99s: dict[str, list[float]] = {"kv": [], "ping": []}
+
+    def sample(kind: str, f: Callable[[], object]) -> Callable[[], float]:
+        def once() -> float:
+            lat = latencies_ms(f, calls)
+            p50s[kind].append(quantile(lat, 0.50))
+            p99s[kind].append(quantile(lat, 0.99))
+            return p50s[kind][-1]
+        return once
+
+    alternate(sample("kv", fn), sample("ping", ping), repetitions=reps)
+    return [latency_row(case, metric, "ms", Samples(by["kv"][1:]), "ping round trip, same socket",
+                        Samples(by["ping"][1:]))  # [0]: alternate()'s warm-up
+            for metric, by in (("p50", p50s), ("p99", p99s))]
+
+
 def gbps(nbytes: int, seconds: float) -> float:
     """Decimal gigabytes per second."""
     return nbytes / seconds / 1e9 if seconds > 0 else math.inf

@@ -19,20 +19,20 @@ threads call concurrently.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from kvtier_protocol.errors import InvalidRequest, KVTierError, Unavailable
+from kvtier_protocol.errors import InvalidRequest, KVTierError
 from kvtier_protocol.keys import from_hex
 from kvtier_protocol.namespace import Namespace
 
 from kvtier.client import Client, ClientOptions
 from kvtier.connector import default_address
 from kvtier.connector.blocks import decode_record, encode_records, raw_payload
+from kvtier.connector.outage import OutageLog
 from kvtier.connector.transfer import MAX_BATCH_BYTES
 from kvtier_sglang.pages import PoolBytes, PoolGeometry, read_regions, write_regions
 from kvtier_sglang.settings import BackendSettings, build_namespace, resolve_revision
@@ -66,8 +66,8 @@ class PageBackend:
         self.ns: Namespace | None = None
         self.geometry: PoolGeometry | None = None
         self._pool_bytes: PoolBytes | None = None
-        self._down = False
-        self._lock = threading.Lock()
+        # SGLang recomputes what L3 misses; an outage is logged once, not once per page
+        self._outage = OutageLog(log, "SGLang recomputes")
 
     # -- registration ---------------------------------------------------------------------------
 
@@ -96,9 +96,9 @@ class PageBackend:
         try:
             hits = self._reader.lookup(ns.ns_id, _hashes(keys), degrade=False).num_hits
         except KVTierError as exc:
-            self._failed("lookup", exc)
+            self._outage.failed("lookup", exc)
             return 0
-        self._ok()
+        self._outage.ok()
         return hits
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
@@ -186,7 +186,7 @@ class PageBackend:
         try:
             self._writer.clear(self._ns().ns_id)
         except KVTierError as exc:
-            self._failed("clear", exc)
+            self._outage.failed("clear", exc)
             return False
         return True
 
@@ -225,9 +225,9 @@ class PageBackend:
             try:
                 records = self._reader.load(ns.ns_id, chunk, degrade=False)
             except KVTierError as exc:
-                self._failed("load", exc)
+                self._outage.failed("load", exc)
                 return done
-            self._ok()
+            self._outage.ok()
             for record in records:
                 payload = raw_payload(record, layout=layout, shape=shape, dtype=ns.kv_dtype)
                 if payload is None:  # another layout or codec: decode and convert
@@ -250,7 +250,7 @@ class PageBackend:
         try:  # skip the stored prefix before copying anything out of the pool
             first = self._writer.lookup(ns.ns_id, hashes, degrade=False).num_hits
         except KVTierError as exc:
-            self._failed("save", exc)
+            self._outage.failed("save", exc)
             return [False] * len(keys)
         ok = [True] * first + [False] * (len(keys) - first)
         fields = ns.to_wire()
@@ -262,32 +262,14 @@ class PageBackend:
                                          parent=parent if lo == 0 else hashes[lo - 1], ns_fields=fields)
                 statuses = self._writer.save(ns.ns_id, records, priority=self.settings.priority)
             except KVTierError as exc:  # daemon down or full, or a codec refusing the data (NaN)
-                self._failed("save", exc)
+                self._outage.failed("save", exc)
                 return ok
-            self._ok()
+            self._outage.ok()
             for i, status in enumerate(statuses):
                 ok[lo + i] = status in ("stored", "exists")
             if "full" in statuses:
                 break
         return ok
-
-    def _failed(self, op: str, exc: KVTierError) -> None:
-        """Log a failed daemon call; an outage once, not once per page."""
-        if not isinstance(exc, Unavailable):
-            log.warning("kvtier %s failed (%s: %s); SGLang recomputes", op, exc.code, exc.message)
-            return
-        with self._lock:
-            first, self._down = not self._down, True
-        if first:
-            log.warning("kvtier daemon unavailable during %s (%s); HiCache L3 misses until it is back",
-                        op, exc.message)
-
-    def _ok(self) -> None:
-        if self._down:
-            with self._lock:
-                was, self._down = self._down, False
-            if was:
-                log.info("kvtier daemon available again")
 
 
 def _hashes(keys: Sequence[str]) -> list[bytes]:

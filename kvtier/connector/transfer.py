@@ -9,18 +9,18 @@ never reads wrong KV.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from kvtier_protocol.errors import KVTierError, Unavailable
+from kvtier_protocol.errors import KVTierError
 from kvtier_protocol.namespace import Namespace
 
 from kvtier.client import Client
 from kvtier.connector.blocks import decode_record, encode_records, kv_dtype, raw_payload, token_info
+from kvtier.connector.outage import OutageLog
 from kvtier.connector.pages import PageLayout, scatter_blocks, write_page_bytes
 from kvtier.connector.stats import ConnectorStats
 
@@ -51,8 +51,7 @@ class Transfer:
         self.stats = stats
         self.batch_blocks = max(1, MAX_BATCH_BYTES // ns.block_payload_bytes())
         self._ns_fields = ns.to_wire()
-        self._down = False
-        self._lock = threading.Lock()
+        self._outage = OutageLog(log, "recomputing", prefix="kvtier connector")
 
     def lookup(self, hashes: list[bytes]) -> int:
         """Leading stored blocks of ``hashes``; 0 when the daemon fails."""
@@ -63,7 +62,7 @@ class Transfer:
         except KVTierError as exc:
             self._failed("lookup", exc)
             return 0
-        self._ok()
+        self._outage.ok()
         self.stats.add(lookups=1, lookup_hits=hits)
         return hits
 
@@ -158,7 +157,7 @@ class Transfer:
             if "full" in results:
                 error = f"daemon full: {results.count('full')} of {hi - lo} blocks not stored"
         else:
-            self._ok()
+            self._outage.ok()
         self.stats.add(saved_blocks=stored, skipped_blocks=skipped)
         return stored, error
 
@@ -168,27 +167,13 @@ class Transfer:
             records = self.client.load(self.ns.ns_id, hashes, degrade=False)
         except KVTierError as exc:
             return [], self._failed("load", exc)
-        self._ok()
+        self._outage.ok()
         return records, None
 
     def _failed(self, op: str, exc: KVTierError) -> str:
-        """Count a failed daemon call; log an outage once (not once per request)."""
+        """Count a failed daemon call; log it (an outage once, not once per request)."""
         self.stats.add(failed_calls=1)
-        if not isinstance(exc, Unavailable):
-            log.warning("kvtier connector: %s failed (%s: %s); recomputing", op, exc.code, exc.message)
-            return f"{op} failed ({exc.code}: {exc.message})"
-        with self._lock:
-            first, self._down = not self._down, True
-        if first:
-            log.warning("kvtier daemon unavailable during %s (%s); recomputing until it is back", op, exc.message)
-        return f"daemon unavailable ({exc.message})"
-
-    def _ok(self) -> None:
-        if self._down:
-            with self._lock:
-                was, self._down = self._down, False
-            if was:
-                log.info("kvtier daemon available again")
+        return self._outage.failed(op, exc)
 
 
 def _bad_block(i: int, why: str | None) -> str:

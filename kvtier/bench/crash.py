@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import secrets
 import shutil
@@ -51,11 +50,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import kvtier
-import kvtier_protocol
 from kvtier.bench.crash_daemon import COMPACTION_THREAD, FLUSH_THREAD, CrashDaemon
 from kvtier.bench.crash_data import Link
 from kvtier.bench.crash_tally import PHASES, Tally, hit, rows
+from kvtier.bench.daemon import child_env
 from kvtier.bench.report import SuiteResult, progress
 from kvtier.commands.rest_client import CommandError, RestClient
 
@@ -270,7 +268,7 @@ class CrashRun:
     def cli_check(self) -> None:
         """``kvtier check`` itself, once, on the final state."""
         done = subprocess.run([sys.executable, "-m", "kvtier", "check", "--rest", self.daemon.rest,
-                               "--token-file", str(self.work / "token")], env=_child_env(), capture_output=True,
+                               "--token-file", str(self.work / "token")], env=child_env(), capture_output=True,
                               text=True, timeout=600)
         self.tally.cli_check_rc = done.returncode
         if done.returncode != 0:
@@ -292,7 +290,7 @@ class CrashRun:
         if deletes:
             cmd.append("--deletes")
         with open(out, "wb") as f:
-            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.PIPE, env=_child_env())
+            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.PIPE, env=child_env())
         proc.out = out  # type: ignore[attr-defined]
         return proc
 
@@ -336,14 +334,6 @@ class CrashRun:
             if "anomaly" in item:
                 self.tally.anomalies.append(f"writer of life {c}: {item['anomaly']}")
         return lines
-
-
-def _child_env() -> dict[str, str]:
-    """The environment of the writer and `kvtier check`: this kvtier, none of the caller's KVTIER_*."""
-    roots = [str(Path(m.__file__).resolve().parents[1]) for m in (kvtier, kvtier_protocol)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-    env["PYTHONPATH"] = os.pathsep.join([*roots, os.environ.get("PYTHONPATH", "")])
-    return env
 
 
 def run(args: argparse.Namespace) -> SuiteResult:

@@ -19,6 +19,16 @@ _TCP = re.compile(r"listening tcp:(?P<host>[^\s:]+):(?P<port>\d+)")
 _READY = "kvtierd ready"
 
 
+def child_env() -> dict[str, str]:
+    """The environment of a process a bench starts (the daemon, workers, writers): it imports the
+    same kvtier and kvtier_protocol as this process, installed or not, and none of the caller's
+    KVTIER_* settings (the bench fixes every one it needs)."""
+    roots = [str(Path(m.__file__).resolve().parents[1]) for m in (kvtier, kvtier_protocol)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
+    env["PYTHONPATH"] = os.pathsep.join([*roots, os.environ.get("PYTHONPATH", "")])
+    return env
+
+
 class BenchDaemon:
     """``kvtier serve`` with its data dir, socket and log (``daemon.log``) in ``work``.
 
@@ -47,11 +57,7 @@ class BenchDaemon:
             prefix += ["-m", "cProfile", "-o", str(Path(self.profile).resolve())]
         cmd = [*prefix, "-m", "kvtier", "serve", "--data-dir", str(self.work), "--socket", self.socket,
                "--log-level", "info", *self.flags]
-        # The child imports the same kvtier and kvtier_protocol as this process, installed or not,
-        # and none of the caller's KVTIER_* settings (the bench fixes every one it needs).
-        roots = [str(Path(m.__file__).resolve().parents[1]) for m in (kvtier, kvtier_protocol)]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-        env["PYTHONPATH"] = os.pathsep.join([*roots, os.environ.get("PYTHONPATH", "")])
+        env = child_env()
         progress(f"{self.suite}: starting the daemon in {self.work}: {' '.join(self.flags)}")
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

@@ -8,16 +8,13 @@ redis-py's reply parsing and kvtier's copies on the GIL, measuring the GIL rathe
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import kvtier
-import kvtier_protocol
+from kvtier.bench.daemon import child_env
 from kvtier.bench.report import progress, quantile
 
 
@@ -36,9 +33,7 @@ class WorkerPool:
     to every engine in ``engines`` (name -> connection spec, see peers_worker)."""
 
     def __init__(self, clients: int, engines: dict[str, dict[str, Any]], ns_id: bytes) -> None:
-        roots = [str(Path(m.__file__).resolve().parents[1]) for m in (kvtier, kvtier_protocol)]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-        env["PYTHONPATH"] = os.pathsep.join([*roots, os.environ.get("PYTHONPATH", "")])
+        env = child_env()
         self.procs: list[subprocess.Popen[str]] = []
         try:
             for _ in range(clients):

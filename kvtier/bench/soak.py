@@ -54,7 +54,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.daemon import BenchDaemon
+from kvtier.bench.daemon import BenchDaemon, child_env
 from kvtier.bench.report import SuiteResult, progress
 from kvtier.bench.soak_data import NS_ID, Workload
 from kvtier.bench.soak_proc import Sampler, fd_census, memory, rest_stats, shm_segments
@@ -229,8 +229,7 @@ class Run:
                            tcp_clients=_share(plan.tcp_clients, plan.processes, i), prefixes=plan.work.prefixes,
                            blocks=plan.work.blocks, seed=plan.work.seed, timeout_s=plan.timeout_s,
                            result=str(self.work_dir / f"worker-{i}.json"))
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVTIER_")}
-        env["PYTHONPATH"] = os.pathsep.join([*_roots(), os.environ.get("PYTHONPATH", "")])
+        env = child_env()
         with open(self.work_dir / f"worker-{i}.log", "wb") as log:
             proc = subprocess.Popen([sys.executable, "-m", "kvtier.bench.soak_worker"], stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE, stderr=log, env=env)
@@ -246,14 +245,6 @@ class Run:
 def _share(total: int, parts: int, i: int) -> int:
     """Process ``i``'s share of ``total`` split as evenly as possible over ``parts``."""
     return total // parts + (1 if i < total % parts else 0)
-
-
-def _roots() -> list[str]:
-    """The directories holding kvtier and kvtier_protocol, for the workers' PYTHONPATH."""
-    import kvtier
-    import kvtier_protocol
-
-    return [str(Path(m.__file__).resolve().parents[1]) for m in (kvtier, kvtier_protocol)]
 
 
 def _evictions(stats: dict[str, Any]) -> tuple[int, int]:

@@ -33,7 +33,7 @@ from kvtier_protocol.wire_checks import PRIORITY_MAX, PRIORITY_MIN
 from kvtier.client import Client, ClientOptions
 from kvtier.client.records import check_hashes
 from kvtier.config_sources import default_data_dir, default_socket
-from kvtier.connector.blocks import expected_shape, token_info
+from kvtier.connector.blocks import expected_shape, kv_dtype, token_info
 from kvtier.connector.jobs import JobResult, JobRunner
 from kvtier.connector.pages import check_caches, gather_blocks, get_page_layout, host_views, page_index
 from kvtier.connector.stats import ConnectorStats
@@ -173,6 +173,32 @@ class KVConnectorCore:
         """
         layout = layout or ("mla-latent" if self.ns.attention == "mla" else "canonical")
         return self._transfer.fetch(check_hashes(hashes), layout, expected_shape(self.ns, layout), device)
+
+    def fetch_into(self, hashes: Sequence[bytes], out: torch.Tensor, *, layout: str | None = None) -> int:
+        """The stored prefix of ``hashes`` written into ``out[i]``, block ``i`` in ``layout``.
+
+        The copy-once form of :meth:`fetch`: raw blocks go straight from the daemon's shared
+        memory into ``out``, so a load costs one copy at memory bandwidth.
+
+        Args:
+            out: a contiguous CPU tensor ``[len(hashes), *block shape]`` of the namespace's dtype.
+            layout: as in :meth:`fetch`.
+
+        Returns:
+            Blocks written, consecutive from the first (fewer on a miss, bad block or failure).
+
+        Raises:
+            LayoutError: an unknown layout, or one of the other attention kind.
+            InvalidRequest: ``out`` is not such a tensor.
+        """
+        layout = layout or ("mla-latent" if self.ns.attention == "mla" else "canonical")
+        shape = expected_shape(self.ns, layout)
+        want = (len(hashes), *shape)
+        if (tuple(out.shape) != want or out.dtype != kv_dtype(self.ns) or out.device.type != "cpu"
+                or not out.is_contiguous()):
+            raise InvalidRequest(f"fetch_into needs a contiguous CPU {kv_dtype(self.ns)} tensor {want}, got "
+                                 f"{out.dtype} {tuple(out.shape)} on {out.device}")
+        return self._transfer.fetch_into(check_hashes(hashes), out, layout, shape)
 
     def store(self, hashes: Sequence[bytes], tensors: Sequence[torch.Tensor], *, layout: str,
               token_ids: Sequence[int] | None = None, parent: bytes | None = None, priority: int = 0) -> int:

@@ -117,19 +117,24 @@ def load_prefix(core: KVConnectorCore, token_ids: Sequence[int], *, device: str 
     hashes = core.block_hashes(token_ids, extras)[:usable] if usable > 0 else []
     if not hashes:
         return None, 0
-    blocks = core.fetch(hashes, layout=LAYOUT, device=device)
-    if not blocks:
+    # Two copies at memory bandwidth: the blocks out of the daemon's shared memory into one
+    # staging tensor [n, L, 2, H, T, D], then one strided copy puts them side by side on the token
+    # axis, [L, 2, H, n*T, D] (on the model's device), where every layer's K and V are contiguous
+    # views, [1, H, n*T, D], as DynamicLayer keeps them. (torch.cat of the blocks on that axis
+    # moves 4 KiB runs one tensor at a time: measured 4-6x slower than the two copies.)
+    shape = _block_shape(ns)
+    staging = torch.empty((len(hashes), *shape), dtype=kv_dtype)
+    n = core.fetch_into(hashes, staging, layout=LAYOUT)
+    if n == 0:
         return None, 0
-    for b in blocks:
-        assert tuple(b.shape) == _block_shape(ns), f"core returned a block of shape {tuple(b.shape)}"
-    # One copy: the blocks side by side on the token axis -> [L, 2, H, n*T, D]; every layer's K
-    # and V are then contiguous views of it, [1, H, n*T, D] as DynamicLayer keeps them.
-    kv = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=3)
-    kv = kv.to(device=device, dtype=kv_dtype)
+    blocks = staging[:n].to(device)
+    L, _, heads, t, dim = shape
+    kv = torch.empty((L, 2, heads, n * t, dim), dtype=kv_dtype, device=blocks.device)
+    kv.view(L, 2, heads, n, t, dim).copy_(blocks.permute(1, 2, 3, 0, 4, 5))
     data = [(kv[layer, 0].unsqueeze(0), kv[layer, 1].unsqueeze(0)) for layer in range(ns.num_layers)]
     cache = DynamicCache(ddp_cache_data=data, config=config)
     _check_full_attention(cache.layers)
-    return cache, len(blocks) * ns.block_tokens
+    return cache, n * ns.block_tokens
 
 
 def cache_argument(model: Any) -> str:

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvtier_protocol.errors import KVTierError
+from kvtier_protocol.errors import InvalidRequest, KVTierError
 from kvtier_protocol.namespace import Namespace
 
 from kvtier.client import Client
@@ -123,6 +123,44 @@ class Transfer:
                 break
         self.stats.add(loaded_blocks=len(out))
         return out
+
+    def fetch_into(self, hashes: list[bytes], out: torch.Tensor, layout: str, shape: tuple[int, ...]) -> int:
+        """The stored prefix of ``hashes`` into ``out[i]`` (a contiguous CPU tensor ``[n, *shape]``
+        of the namespace's dtype), in ``layout``; returns the blocks written, from the first.
+
+        Raw blocks of ``layout`` go straight from the daemon's shared memory into ``out``: one copy,
+        no record allocated, no hashing of payloads the daemon checked. A block stored otherwise
+        (another engine's layout) and every block after it are fetched and decoded instead.
+        """
+        assert out.is_contiguous() and out.device.type == "cpu" and tuple(out.shape[1:]) == shape, "see docstring"
+        rows = out.view(torch.uint8).view(len(hashes), -1)  # bytes per block (a bf16 tensor has no numpy view)
+        dtype, done, foreign = self.ns.kv_dtype, 0, False
+        for lo in range(0, len(hashes), self.batch_blocks):
+            hi = min(len(hashes), lo + self.batch_blocks)
+            try:
+                headers = self.client.load_into(self.ns.ns_id, hashes[lo:hi], [rows[i].numpy() for i in range(lo, hi)],
+                                                degrade=False)
+            except InvalidRequest:  # a block larger than a row: not of this geometry, decode from here
+                foreign = True
+                break
+            except KVTierError as exc:
+                self._failed("load", exc)
+                break
+            self._outage.ok()
+            for h in headers:
+                if h.codec != "raw" or h.layout != layout or tuple(h.shape) != shape or h.dtype != dtype:
+                    foreign = True
+                    break
+                done += 1
+            if foreign or done < hi:
+                break
+        self.stats.add(loaded_blocks=done)
+        if foreign:
+            rest = self.fetch(hashes[done:], layout, shape, "cpu")
+            for i, block in enumerate(rest):
+                out[done + i].copy_(block)
+            done += len(rest)
+        return done
 
     def put(self, hashes: list[bytes], blocks_of: BlocksOf, layout: str, token_ids: Sequence[int] | None,
             parent: bytes | None, priority: int) -> Outcome:

@@ -138,6 +138,29 @@ def test_store_and_fetch_block_tensors(kvtier_daemon_module: KvtierDaemon, cores
         core.store(hashes, blocks[:1], layout="mla-latent")
 
 
+def test_fetch_into_copies_raw_blocks_and_decodes_other_layouts(kvtier_daemon_module: KvtierDaemon,
+                                                                cores: list) -> None:
+    ns = make_ns("mha", kv_dtype="bfloat16")
+    tensors = connect(cores, kvtier_daemon_module, ns, "vllm-flash")  # no pages: stores canonical tensors
+    flash = connect(cores, kvtier_daemon_module, ns, "vllm-flash", caches=make_caches(ns, "vllm-flash", seed=21))
+    hashes = tensors.block_hashes(tokens(5 * ns.block_tokens, seed=22))
+    g = torch.Generator().manual_seed(23)
+    canonical = [torch.randn(ns.num_layers, 2, ns.num_kv_heads, ns.block_tokens, ns.head_dim,
+                             generator=g).to(torch.bfloat16) for _ in range(2)]
+    assert tensors.store(hashes[:2], canonical, layout="canonical") == 2
+    assert flash.save(hashes[2:4], [3, 5], parent=hashes[1]) == 2  # stored in the engine's own layout
+    want = canonical + [convert(b, "vllm-flash", "canonical") for b in blocks_of(flash, [3, 5])]
+    out = torch.zeros((len(hashes), *want[0].shape), dtype=torch.bfloat16)
+    assert tensors.fetch_into(hashes, out) == 4, "the fifth block was never stored"
+    assert all(torch.equal(out[i], w) for i, w in enumerate(want))
+    assert not out[4].any()
+    assert tensors.fetch_into(hashes[:2], out[:2].clone()) == 2
+    with pytest.raises(InvalidRequest, match="contiguous CPU"):
+        tensors.fetch_into(hashes, out.float())
+    with pytest.raises(InvalidRequest, match="contiguous CPU"):
+        tensors.fetch_into(hashes[:2], out)
+
+
 @pytest.mark.parametrize(("attention", "layout", "dtype", "codec"), [("mha", "vllm-flash", "bfloat16", "int8"),
                                                                     ("mha", "vllm-nhc", "float32", "int8"),
                                                                     ("mla", "mla-latent", "bfloat16", "int8"),
@@ -310,6 +333,9 @@ def test_a_block_of_the_wrong_geometry_or_dtype_stops_the_load(cores: list) -> N
             assert not any(b.any() for b in blocks_of(reader, [5, 6, 7])), "nothing from the bad block on"
             assert reader.load(hashes[2:], [5, 6]) == 0, "a dtype the namespace does not have"
             assert len(reader.fetch(hashes)) == 1
+            first = convert(blocks_of(core, [0])[0], "vllm-flash", "canonical")
+            out = torch.empty((4, *first.shape), dtype=first.dtype)
+            assert reader.fetch_into(hashes, out) == 1 and torch.equal(out[0], first)
         finally:
             peer.stop()
 

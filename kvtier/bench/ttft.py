@@ -7,6 +7,13 @@ only) is answered twice, alternately: once loading the stored prefix and computi
 tokens and stop at the first token. ``ratio`` = prefill / hit: how many times sooner the first
 token comes on a hit.
 
+Two suffixes by default, each a row set of its own:
+  * 16 tokens, one block: the prompt was seen whole before (a retry, a shared document asked the
+    same question, a regenerated answer). An engine always computes at least the prompt's last
+    token to get logits, and a block-granular cache then recomputes the last block: vLLM with
+    16-token blocks computes the last 16 tokens of a fully cached 4096-token prompt.
+  * 256 tokens: a new turn (question) after a stored context; the hit computes the turn.
+
 Rows, per prompt length:
   * ``engine L (S stored)`` TTFT: the reference engine loading the prefix through its connector
     (every hit starts from empty pages and a fresh suffix, so it loads exactly S tokens), next
@@ -65,22 +72,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="an HF Llama-family checkpoint dir (default: a random one)")
     parser.add_argument("--layers", type=int, default=None, help="layers of the random model (default 8; --quick 2)")
     parser.add_argument("--lengths", default=None, help="prompt lengths (default 1024,2048,4096,8192; --quick 256,512)")
-    parser.add_argument("--suffix", type=int, default=None, help="tokens computed on a hit (default 256; --quick 64)")
+    parser.add_argument("--suffix", default=None,
+                        help="tokens computed on a hit, one row set each (default 16,256; --quick 64)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="weights and KV dtype (default float32: this CPU has no bf16 GEMM)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--engines", choices=("both", "engine", "hf"), default="both", help="which engines to run")
     parser.add_argument("--profile", metavar="PREFIX", default=None,
-                        help="cProfile one hit per engine at the longest length into PREFIX-<engine>.prof "
+                        help="cProfile one hit per engine at the longest length into PREFIX-<engine>-s<suffix>.prof "
                              "(top functions on stderr)")
 
 
 def run(args: argparse.Namespace) -> SuiteResult:
     reps = args.repetitions or (2 if args.quick else 3)
     lengths = [int(x) for x in (args.lengths or ("256,512" if args.quick else "1024,2048,4096,8192")).split(",")]
-    suffix = args.suffix or (64 if args.quick else 256)
-    if not 0 < suffix < min(lengths) or any(n % 16 for n in lengths):
-        raise ValueError("ttft: --suffix must be below every length, and lengths multiples of 16")
+    suffixes = [int(x) for x in (args.suffix or ("64" if args.quick else "16,256")).split(",")]
+    if not all(0 < s < min(lengths) for s in suffixes) or any(n % 16 for n in lengths):
+        raise ValueError("ttft: every --suffix must be below every length, and lengths multiples of 16")
     dtype = getattr(torch, args.dtype)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -90,10 +98,10 @@ def run(args: argparse.Namespace) -> SuiteResult:
         cfg = load_config(model_dir)
         if max(lengths) >= cfg.max_position_embeddings:
             raise ValueError(f"ttft: the model has {cfg.max_position_embeddings} positions, < {max(lengths) + 1}")
-        plan = _Plan(model_dir, lengths, suffix, reps, dtype, cfg.vocab_size, args.profile)
+        plans = [_Plan(model_dir, lengths, s, reps, dtype, cfg.vocab_size, args.profile) for s in suffixes]
         ns = namespace_for_checkpoint(model_dir, kv_dtype=dtype)
         # Every prefix, plus the suffix blocks each engine hit saves after its first token.
-        blocks = sum(n + 4 * reps * suffix for n in lengths) // ns.block_tokens
+        blocks = sum(n + 4 * reps * s for n in lengths for s in suffixes) // ns.block_tokens
         stored = blocks * ns.block_payload_bytes()
         flags = ["--rest", "off", "--host-bytes", str(max(256 * MIB, 2 * stored)), "--disk-bytes", "0"]
         daemon = BenchDaemon(work, flags, suite="ttft")
@@ -102,10 +110,11 @@ def run(args: argparse.Namespace) -> SuiteResult:
             result = SuiteResult("ttft")
             # HF first: its prefill is the faster one, so it computes and stores the prefixes,
             # and the engine's hits load HF's KV.
-            if args.engines in ("both", "hf"):
-                result.rows += _hf_rows(plan, daemon.address)
-            if args.engines in ("both", "engine"):
-                result.rows += _engine_rows(plan, daemon.address)
+            for plan in plans:
+                if args.engines in ("both", "hf"):
+                    result.rows += _hf_rows(plan, daemon.address)
+                if args.engines in ("both", "engine"):
+                    result.rows += _engine_rows(plan, daemon.address)
             return result
         finally:
             daemon.stop()
@@ -196,7 +205,7 @@ def _engine_rows(plan: _Plan, address: str) -> list[Row]:
                       "engine, prefix in its own pages", logits)
         if plan.profile:
             kv.reset_prefix_cache()
-            _profiled(f"{plan.profile}-engine.prof", lambda: _engine_ttft(kv, plan.prompt(max(plan.lengths), PROFILE_K)))
+            _profiled(f"{plan.profile}-engine-s{plan.suffix}.prof", lambda: _engine_ttft(kv, plan.prompt(max(plan.lengths), PROFILE_K)))
     return rows
 
 
@@ -267,7 +276,7 @@ def _hf_rows(plan: _Plan, address: str) -> list[Row]:
             _two_rows(rows, plan, "hf", length, hit, full, "HF prefill (no kvtier)", resident,
                       "HF, DynamicCache in memory", logits)
             if plan.profile and length == max(plan.lengths):
-                _profiled(f"{plan.profile}-hf.prof", hit)
+                _profiled(f"{plan.profile}-hf-s{plan.suffix}.prof", hit)
     return rows
 
 

@@ -24,14 +24,14 @@ def test_quick_ttft_bench_writes_json(tmp_path: Path, monkeypatch: pytest.Monkey
     if "ttft" not in kvtier.bench.SUITES:  # until the lead registers the suite
         monkeypatch.setitem(kvtier.bench.SUITES, "ttft", ("kvtier.bench.ttft", "time to first token"))
     out = tmp_path / "ttft.json"
-    assert main(["bench", "ttft", "--quick", "--repetitions", "1", "--lengths", "128,256", "--suffix", "32",
+    assert main(["bench", "ttft", "--quick", "--repetitions", "1", "--lengths", "128,256", "--suffix", "16,32",
                  "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert doc["suite"] == "ttft"
     names = {f.name for f in fields(Row)}
     got = {(r["case"], r["metric"]) for r in doc["rows"]}
-    want = {(f"{engine} {n} ({n - 32} stored)", metric) for engine in ("engine", "hf") for n in (128, 256)
-            for metric in ("TTFT", "TTFT vs resident", "ceiling: resident vs prefill")}
+    want = {(f"{engine} {n} ({n - suffix} stored)", metric) for engine in ("engine", "hf") for n in (128, 256)
+            for suffix in (16, 32) for metric in ("TTFT", "TTFT vs resident", "ceiling: resident vs prefill")}
     assert got == want
     for row in doc["rows"]:
         assert set(row) == names and row["unit"] == "ms"

@@ -67,6 +67,24 @@ def raw_payload(record: bytes, *, layout: str, shape: tuple[int, ...], dtype: st
     return payload
 
 
+def native_block(ns: Namespace, record: bytes, dtype: torch.dtype, device: Any) -> tuple[torch.Tensor | None, str]:
+    """Decode one verified record in the layout it was stored in.
+
+    Returns:
+        ``(block, its layout)``, or ``(None, why)`` for a record that does not decode or whose
+        block does not have the namespace's geometry (in that layout) and dtype.
+    """
+    try:
+        # load() verified the checksum on exactly these bytes: do not hash them twice
+        header, block = decode_block(record, device=device, verify=False)
+        want = expected_shape(ns, header.layout)
+    except KVTierError as exc:
+        return None, f"does not decode ({exc.code}: {exc.message})"
+    if tuple(block.shape) != want or block.dtype != dtype:
+        return None, f"is {header.dtype} {tuple(block.shape)} in {header.layout}, expected {dtype} {want}"
+    return block, header.layout
+
+
 def decode_record(record: bytes, *, layout: str, shape: tuple[int, ...], dtype: torch.dtype,
                   device: Any) -> tuple[torch.Tensor | None, str | None]:
     """Decode one verified record into ``layout`` on ``device``.

@@ -16,10 +16,11 @@ import numpy as np
 import torch
 
 from kvtier_protocol.errors import InvalidRequest, KVTierError
+from kvtier_protocol.layouts import convert_many
 from kvtier_protocol.namespace import Namespace
 
 from kvtier.client import Client
-from kvtier.connector.blocks import decode_record, encode_records, kv_dtype, raw_payload, token_info
+from kvtier.connector.blocks import encode_records, kv_dtype, native_block, raw_payload, token_info
 from kvtier.connector.outage import OutageLog
 from kvtier.connector.pages import PageLayout, scatter_blocks, write_page_bytes
 from kvtier.connector.stats import ConnectorStats
@@ -83,23 +84,25 @@ class Transfer:
             records, error = self._records(chunk)
             if error is None and len(records) < len(chunk):
                 error = f"miss at block {lo + len(records)} of {len(hashes)}"
-            decoded: list[torch.Tensor] = []
-            at: list[int] = []
+            raw: list[tuple[int, memoryview]] = []
+            todo: list[tuple[int, bytes]] = []
             for i, record in enumerate(records):
                 payload = None if views is None else raw_payload(
                     record, layout=layout.block_layout, shape=shape, dtype=self.ns.kv_dtype)
                 if payload is not None:
-                    write_page_bytes(views, pages[lo + i], payload, layout)
-                    continue
-                block, why = decode_record(record, layout=layout.block_layout, shape=shape, dtype=dtype, device=device)
-                if block is None:
-                    error = _bad_block(lo + i, why)
-                    records = records[:i]
-                    break
-                decoded.append(block)
-                at.append(lo + i)
-            if decoded:
-                scatter_blocks(caches, index[at], torch.stack(decoded), layout)
+                    raw.append((lo + i, payload))
+                else:
+                    todo.append((lo + i, record))
+            groups, bad, why = _decode(self.ns, todo, dtype, device)
+            if bad is not None:  # nothing from the first bad block on reaches the pages
+                error = _bad_block(bad, why)
+                records = records[:bad - lo]
+            for at, payload in raw:
+                if bad is None or at < bad:
+                    write_page_bytes(views, pages[at], payload, layout)
+            for src, (at, blocks) in groups.items():
+                scatter_blocks(caches, index[at], convert_many(blocks, src, layout.block_layout, contiguous=False),
+                               layout)
             loaded += len(records)
             if error is not None:
                 break
@@ -113,12 +116,14 @@ class Transfer:
         for lo in range(0, len(hashes), self.batch_blocks):
             chunk = hashes[lo:lo + self.batch_blocks]
             records, error = self._records(chunk)
-            for i, record in enumerate(records):
-                block, why = decode_record(record, layout=layout, shape=shape, dtype=dtype, device=device)
-                if block is None:
-                    error = _bad_block(lo + i, why)
-                    break
-                out.append(block)
+            groups, bad, why = _decode(self.ns, list(enumerate(records)), dtype, device)
+            got: list[torch.Tensor | None] = [None] * (len(records) if bad is None else bad)
+            for src, (at, blocks) in groups.items():
+                for i, block in zip(at, convert_many(blocks, src, layout).unbind(0)):
+                    got[i] = block
+            out.extend(got)  # type: ignore[arg-type]  # every slot before ``bad`` is filled
+            if bad is not None:
+                error = _bad_block(lo + bad, why)
             if error is not None or len(records) < len(chunk):
                 break
         self.stats.add(loaded_blocks=len(out))
@@ -212,6 +217,31 @@ class Transfer:
         """Count a failed daemon call; log it (an outage once, not once per request)."""
         self.stats.add(failed_calls=1)
         return self._outage.failed(op, exc)
+
+
+def _decode(ns: Namespace, records: list[tuple[int, bytes]], dtype: torch.dtype,
+            device: Any) -> tuple[dict[str, tuple[list[int], torch.Tensor]], int | None, str]:
+    """Decode verified ``(position, record)`` pairs in the layouts they were stored in.
+
+    Returns:
+        ``(groups, bad, why)``: per stored layout, the positions and their blocks stacked
+        ``[n, *block]`` (so that a layout conversion is one batched permute, not one per block);
+        the position of the first record that does not decode to the namespace's geometry and
+        dtype (None: all did) and why. Records after ``bad`` are not decoded.
+    """
+    found: dict[str, tuple[list[int], list[torch.Tensor]]] = {}
+    for at, record in records:
+        block, layout = native_block(ns, record, dtype, device)
+        if block is None:
+            return _stacked(found), at, layout
+        positions, blocks = found.setdefault(layout, ([], []))
+        positions.append(at)
+        blocks.append(block)
+    return _stacked(found), None, ""
+
+
+def _stacked(found: dict[str, tuple[list[int], list[torch.Tensor]]]) -> dict[str, tuple[list[int], torch.Tensor]]:
+    return {layout: (at, torch.stack(blocks)) for layout, (at, blocks) in found.items()}
 
 
 def _bad_block(i: int, why: str | None) -> str:

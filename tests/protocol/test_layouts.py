@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvtier_protocol.errors import LayoutError
-from kvtier_protocol.layouts import (LAYOUTS, Geometry, Layout, convert, from_canonical,
+from kvtier_protocol.layouts import (LAYOUTS, Geometry, Layout, convert, convert_many, from_canonical,
                                      get_layout, to_canonical)
 
 L, H, T, D, C = 2, 3, 4, 5, 7
@@ -96,6 +96,30 @@ def test_mha_and_mla_do_not_mix(src: str, dst: str) -> None:
 def test_wrong_tensor_shape_for_layout() -> None:
     with pytest.raises(LayoutError):
         to_canonical(torch.zeros(L, 2, H, T, D), "vllm-nhc")
+
+
+@pytest.mark.parametrize(("src", "dst"), [*itertools.product(MHA_NAMES, repeat=2),
+                                        *itertools.product(MLA_NAMES, repeat=2)])
+def test_convert_many_equals_convert_of_each_block(src: str, dst: str) -> None:
+    g = MLA if get_layout(src).is_mla else MHA
+    n = 3
+    blocks = torch.arange(n * torch.Size(get_layout(src).shape_for(g)).numel(), dtype=torch.float32)
+    blocks = blocks.reshape(n, *get_layout(src).shape_for(g))
+    want = torch.stack([convert(b, src, dst) for b in blocks])
+    got = convert_many(blocks, src, dst)
+    assert got.is_contiguous() and torch.equal(got, want)
+    view = convert_many(blocks, src, dst, contiguous=False)
+    assert torch.equal(view, want)
+    assert view.shape == (n, *get_layout(dst).shape_for(g))
+
+
+def test_convert_many_checks_like_convert() -> None:
+    with pytest.raises(LayoutError):
+        convert_many(canonical_block().unsqueeze(0), "canonical", "mla-latent")
+    with pytest.raises(LayoutError):
+        convert_many(canonical_block(), "canonical", "vllm-flash")  # one block, not a stack of them
+    with pytest.raises(LayoutError):
+        convert_many(torch.zeros(()), "canonical", "vllm-flash")
 
 
 def test_same_layout_returns_contiguous_equal_tensor() -> None:

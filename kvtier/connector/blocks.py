@@ -12,6 +12,7 @@ import operator
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvtier_protocol.block import decode_block, encode_block, torch_dtype
@@ -67,22 +68,54 @@ def raw_payload(record: bytes, *, layout: str, shape: tuple[int, ...], dtype: st
     return payload
 
 
-def native_block(ns: Namespace, record: bytes, dtype: torch.dtype, device: Any) -> tuple[torch.Tensor | None, str]:
-    """Decode one verified record in the layout it was stored in.
+Decoded = dict[str, tuple[list[int], torch.Tensor]]
+"""Blocks by the layout they were stored in: their positions and the blocks stacked ``[n, *block]``."""
+
+
+def decode_stacked(ns: Namespace, records: Sequence[tuple[int, bytes]], dtype: torch.dtype,
+                   device: Any) -> tuple[Decoded, int | None, str]:
+    """Decode verified ``(position, record)`` pairs, stacked by the layout they were stored in.
+
+    Raw payloads are copied once, straight into their row of the stack (numpy, one thread), and
+    every block of a layout then converts in one batched permute (``convert_many``): per-block
+    torch calls (a stack, a permute per block) cost milliseconds each on a busy host, where
+    torch's thread pool waits for cores.
 
     Returns:
-        ``(block, its layout)``, or ``(None, why)`` for a record that does not decode or whose
-        block does not have the namespace's geometry (in that layout) and dtype.
+        ``(groups, bad, why)``: the blocks by stored layout; the position of the first record
+        that does not decode to the namespace's geometry (in its layout) and dtype (None: all
+        did), and why. Records after ``bad`` are not decoded.
     """
-    try:
-        # load() verified the checksum on exactly these bytes: do not hash them twice
-        header, block = decode_block(record, device=device, verify=False)
-        want = expected_shape(ns, header.layout)
-    except KVTierError as exc:
-        return None, f"does not decode ({exc.code}: {exc.message})"
-    if tuple(block.shape) != want or block.dtype != dtype:
-        return None, f"is {header.dtype} {tuple(block.shape)} in {header.layout}, expected {dtype} {want}"
-    return block, header.layout
+    found: dict[str, list[tuple[int, memoryview | torch.Tensor]]] = {}
+    bad, why = None, ""
+    for at, record in records:
+        try:
+            h, payload = split_record(record)
+            want = expected_shape(ns, h.layout)
+            # load() verified the checksum on exactly these bytes: do not hash them twice
+            item = payload if h.codec == "raw" else decode_block(record, device=device, verify=False)[1]
+            got = (tuple(h.shape), torch_dtype(h.dtype)) if h.codec == "raw" else (tuple(item.shape), item.dtype)
+        except KVTierError as exc:
+            bad, why = at, f"does not decode ({exc.code}: {exc.message})"
+            break
+        size = math.prod(want) * DTYPE_SIZES[h.dtype]
+        if got != (want, dtype) or (h.codec == "raw" and payload.nbytes != size):
+            bad, why = at, f"is {h.dtype} {got[0]} in {h.layout}, expected {dtype} {want}"
+            break
+        found.setdefault(h.layout, []).append((at, item))
+    groups: Decoded = {}
+    for layout, items in found.items():
+        raw = isinstance(items[0][1], memoryview)
+        out = torch.empty((len(items), *expected_shape(ns, layout)), dtype=dtype, device="cpu" if raw else device)
+        if raw:
+            rows = out.view(torch.uint8).view(len(items), -1).numpy()
+            for row, (_, payload) in zip(rows, items):
+                row[:] = np.frombuffer(payload, dtype=np.uint8)
+        else:
+            for row, (_, block) in zip(out, items):
+                row.copy_(block)
+        groups[layout] = ([at for at, _ in items], out.to(device))
+    return groups, bad, why
 
 
 def decode_record(record: bytes, *, layout: str, shape: tuple[int, ...], dtype: torch.dtype,

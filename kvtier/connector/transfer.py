@@ -20,7 +20,7 @@ from kvtier_protocol.layouts import convert_many
 from kvtier_protocol.namespace import Namespace
 
 from kvtier.client import Client
-from kvtier.connector.blocks import encode_records, kv_dtype, native_block, raw_payload, token_info
+from kvtier.connector.blocks import decode_stacked, encode_records, kv_dtype, raw_payload, token_info
 from kvtier.connector.outage import OutageLog
 from kvtier.connector.pages import PageLayout, scatter_blocks, write_page_bytes
 from kvtier.connector.stats import ConnectorStats
@@ -93,7 +93,7 @@ class Transfer:
                     raw.append((lo + i, payload))
                 else:
                     todo.append((lo + i, record))
-            groups, bad, why = _decode(self.ns, todo, dtype, device)
+            groups, bad, why = decode_stacked(self.ns, todo, dtype, device)
             if bad is not None:  # nothing from the first bad block on reaches the pages
                 error = _bad_block(bad, why)
                 records = records[:bad - lo]
@@ -116,7 +116,7 @@ class Transfer:
         for lo in range(0, len(hashes), self.batch_blocks):
             chunk = hashes[lo:lo + self.batch_blocks]
             records, error = self._records(chunk)
-            groups, bad, why = _decode(self.ns, list(enumerate(records)), dtype, device)
+            groups, bad, why = decode_stacked(self.ns, list(enumerate(records)), dtype, device)
             got: list[torch.Tensor | None] = [None] * (len(records) if bad is None else bad)
             for src, (at, blocks) in groups.items():
                 for i, block in zip(at, convert_many(blocks, src, layout).unbind(0)):
@@ -217,31 +217,6 @@ class Transfer:
         """Count a failed daemon call; log it (an outage once, not once per request)."""
         self.stats.add(failed_calls=1)
         return self._outage.failed(op, exc)
-
-
-def _decode(ns: Namespace, records: list[tuple[int, bytes]], dtype: torch.dtype,
-            device: Any) -> tuple[dict[str, tuple[list[int], torch.Tensor]], int | None, str]:
-    """Decode verified ``(position, record)`` pairs in the layouts they were stored in.
-
-    Returns:
-        ``(groups, bad, why)``: per stored layout, the positions and their blocks stacked
-        ``[n, *block]`` (so that a layout conversion is one batched permute, not one per block);
-        the position of the first record that does not decode to the namespace's geometry and
-        dtype (None: all did) and why. Records after ``bad`` are not decoded.
-    """
-    found: dict[str, tuple[list[int], list[torch.Tensor]]] = {}
-    for at, record in records:
-        block, layout = native_block(ns, record, dtype, device)
-        if block is None:
-            return _stacked(found), at, layout
-        positions, blocks = found.setdefault(layout, ([], []))
-        positions.append(at)
-        blocks.append(block)
-    return _stacked(found), None, ""
-
-
-def _stacked(found: dict[str, tuple[list[int], list[torch.Tensor]]]) -> dict[str, tuple[list[int], torch.Tensor]]:
-    return {layout: (at, torch.stack(blocks)) for layout, (at, blocks) in found.items()}
 
 
 def _bad_block(i: int, why: str | None) -> str:

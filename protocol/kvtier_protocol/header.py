@@ -23,6 +23,7 @@ import re
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import msgpack
@@ -347,7 +348,7 @@ def _from_map(m: Any, max_payload_len: int) -> BlockHeader:
         layout=m["layout"], shape=tuple(m["shape"]), dtype=m["dtype"], codec=m["codec"],
         sections=tuple(sections), payload_len=plen, checksum=m["csum"], checksum_alg=m["csum_alg"],
         quant=QuantParams.from_wire(quant) if quant is not None else None,
-        ns_fields=ns_fields, created_ms=m.get("created"),
+        ns_fields=None if ns_fields is None else MappingProxyType(ns_fields), created_ms=m.get("created"),
         extra=() if m.keys() <= _WIRE_SET else tuple((k, v) for k, v in m.items() if k not in WIRE_KEYS))
 
 
@@ -393,7 +394,10 @@ def decode_header(buf: bytes | bytearray | memoryview, *,
     h = _from_map(_unpack(body), max_payload_len)
     if h.decoded_len > max_payload_len:
         raise LimitExceeded(f"decoded tensor of {h.decoded_len} bytes > limit {max_payload_len}")
-    if h.ns_fields is None and not h.extra:  # wholly immutable: safe to hand to every caller
+    # Wholly immutable, so safe to hand to every caller: ns_fields is a read-only view, kept only
+    # when its values are scalars (what Namespace.to_wire() writes; the connectors' headers all
+    # carry it, and they are the blocks loaded again and again).
+    if not h.extra and (h.ns_fields is None or all(type(v) in _SCALARS for v in h.ns_fields.values())):
         if len(_DECODED) >= _MAX_DECODED:
             _DECODED.clear()
         _DECODED[key] = h
@@ -405,6 +409,7 @@ _DECODED: dict[tuple[bytes, int], BlockHeader] = {}
 and payload limit: the result is a function of those alone, and a hot prefix's blocks are loaded
 again and again (each decode costs tens of µs of validation, ~10 % of a 2 MiB block's copy)."""
 _MAX_DECODED = 8192
+_SCALARS = frozenset({str, int, float, bool, bytes, type(None)})
 
 
 def payload_checksum(buf: bytes | bytearray | memoryview) -> int:

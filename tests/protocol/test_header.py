@@ -404,3 +404,16 @@ def test_a_header_decoded_again_is_the_same_and_a_changed_byte_is_still_caught()
             decode_header(flipped)
     with pytest.raises(LimitExceeded):  # the payload limit is part of what was decoded
         decode_header(buf, max_payload_len=100)
+
+
+def test_headers_with_namespace_fields_are_memoised_read_only() -> None:
+    fields = {"model": "m", "num_layers": 2, "tenant_salt": ""}
+    buf = encode_header(dataclasses.replace(raw_header(checksum=777), ns_fields=fields))
+    first = decode_header(buf)[0]
+    assert decode_header(bytes(buf))[0] is first, "the connectors' headers are decoded once"
+    assert first.ns_fields == fields
+    with pytest.raises(TypeError):
+        first.ns_fields["model"] = "other"  # type: ignore[index]
+    nested = encode_header(dataclasses.replace(raw_header(checksum=778), ns_fields={"model": "m", "list": [1, 2]}))
+    a, b = decode_header(nested)[0], decode_header(nested)[0]
+    assert a == b and a is not b, "a mutable value inside: decoded afresh every time"

@@ -205,7 +205,8 @@ def _engine_rows(plan: _Plan, address: str) -> list[Row]:
                       "engine, prefix in its own pages", logits)
         if plan.profile:
             kv.reset_prefix_cache()
-            _profiled(f"{plan.profile}-engine-s{plan.suffix}.prof", lambda: _engine_ttft(kv, plan.prompt(max(plan.lengths), PROFILE_K)))
+            _profiled(f"{plan.profile}-engine-s{plan.suffix}.prof",
+                      lambda: _engine_ttft(kv, plan.prompt(max(plan.lengths), PROFILE_K)))
     return rows
 
 

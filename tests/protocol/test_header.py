@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from kvtier_protocol.dtypes import DTYPE_SIZES, check_dtype, dtype_size
 from kvtier_protocol.errors import (BadMagic, ChecksumMismatch, HeaderError, KVTierError,
                                     LimitExceeded, Truncated, UnsupportedVersion)
-from kvtier_protocol.header import (PREAMBLE, PREAMBLE_LEN, REQUIRED_KEYS, BlockHeader, Section,
+from kvtier_protocol.header import (_DECODED, PREAMBLE, PREAMBLE_LEN, REQUIRED_KEYS, BlockHeader, Section,
                                     decode_header, encode_header, parse_preamble,
                                     payload_checksum, record_len, split_record, verify_payload)
 from kvtier_protocol.layouts import LAYOUTS, Geometry
@@ -417,3 +417,20 @@ def test_headers_with_namespace_fields_are_memoised_read_only() -> None:
     nested = encode_header(dataclasses.replace(raw_header(checksum=778), ns_fields={"model": "m", "list": [1, 2]}))
     a, b = decode_header(nested)[0], decode_header(nested)[0]
     assert a == b and a is not b, "a mutable value inside: decoded afresh every time"
+
+
+def test_a_header_encoded_here_decodes_from_the_memo_equal_to_a_fresh_decode() -> None:
+    h = raw_header(checksum=4242)
+    buf = encode_header(h)
+    memo = decode_header(buf)[0]
+    assert memo is h, "a client checking the record it just built pays a dict lookup"
+    _DECODED.clear()
+    fresh = decode_header(buf)[0]
+    assert fresh == h and fresh is not h
+    assert {type(v) for v in (*fresh.shape, fresh.num_tokens)} == {type(v) for v in (*h.shape, h.num_tokens)}
+    flipped = bytearray(buf)
+    flipped[-1] ^= 0x01
+    with pytest.raises(KVTierError):
+        decode_header(flipped)
+    with pytest.raises(LimitExceeded):  # a smaller limit is another memo key: decoded and refused
+        decode_header(buf, max_payload_len=10)

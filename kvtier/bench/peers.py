@@ -89,6 +89,7 @@ def run(args: argparse.Namespace) -> SuiteResult:
                          suite="peers", profile=args.daemon_profile)
     redis = RedisServer(args.redis_server, args.work_dir)
     pool: WorkerPool | None = None
+    lmc: peers_lmcache.LMCacheProbe | None = None
     try:
         daemon.start()
         engines: dict[str, dict[str, Any]] = {
@@ -123,6 +124,8 @@ def run(args: argparse.Namespace) -> SuiteResult:
     finally:
         if pool is not None:
             pool.close()
+        if lmc is not None:
+            lmc.close()  # its arena (as big as the kvtier working set) goes now, not at process exit
         daemon.stop()
         redis.stop()
         shutil.rmtree(work, ignore_errors=True)

@@ -1,6 +1,6 @@
 """`kvtier selftest`: prove on this machine that the wire contract and the tiers work end to end.
 
-It builds a store on the embedded defaults (host shared memory, RocksDB under a temporary
+It builds a store on the embedded defaults (host shared memory, the disk tier under a temporary
 directory), hashes a prompt with the vLLM-compatible chain, encodes its blocks with the
 self-describing header, and checks every promise a user relies on:
 

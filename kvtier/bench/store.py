@@ -6,14 +6,21 @@ Rows:
     ``copy_`` of the same bytes. Source and destination buffers rotate over a working set of
     ``--working-set-mib`` on both sides, so neither side measures the cache. Headers (and so the
     client's payload checksum) are computed before the timed region.
-  * ``disk write`` (GB/s): ``DiskTier.put_many`` of the data set, then ``flush()`` (memtables
-    written to blob files and synced), next to ``dd oflag=direct`` of the same bytes, and again
-    next to ``dd conv=fsync`` (buffered writes then fsync: the I/O path RocksDB itself takes).
-  * ``disk read`` (GB/s): ``DiskTier.get_many`` of every record, next to ``dd iflag=direct`` of
-    the database's own blob files (same bytes, same place on the device: a virtual disk caches a
-    file that dd reads again and again, so a separate dd file would measure that cache).
+  * ``disk write`` (GB/s): the store's demotion path over page-aligned sources (as host slots
+    are): ``DiskTier.put_verified`` (a verified snapshot into the tier's aligned buffers, written
+    with O_DIRECT while the next block is copied, one meta commit per batch). At capacity (each
+    batch first evicts as many bytes: the cache's steady state, free files written over) next
+    to ``dd oflag=direct conv=notrunc`` over an allocated file; again with ``flush()`` (syncfs,
+    RocksDB's log) next to ``conv=notrunc,fsync``; and into an empty tier (new files) next to
+    plain ``dd oflag=direct`` (a new file). Without flush both sides leave the data on the device
+    and the file system's metadata unsynced.
+  * ``disk read`` (GB/s): :func:`~kvtier.store.transfers.load_records` of every block (O_DIRECT
+    read into page-aligned buffers, header and xxh3 check), next to ``dd iflag=direct`` of the
+    tier's own block files (same bytes, same place on the device: a virtual disk caches a file
+    that dd reads again and again, so a separate dd file would measure that cache).
   * ``disk→host promote`` (GB/s): after a restart of the store, ``acquire`` of every block (disk
-    read, header and xxh3 check, copy into host slots), next to dd over that store's blob files.
+    read into host slots, header and xxh3 check, then the bench's copy out of the slot), next to
+    dd over that store's block files.
 
 Disk reads are cold: before each timed read the page cache of the files is dropped (``--cold
 fadvise``: ``posix_fadvise(DONTNEED)`` on every file of the database, which needs no privilege
@@ -42,6 +49,7 @@ from kvtier.bench.report import Row, SuiteResult, Timer, alternate, gbps, progre
 from kvtier.store.config import StoreConfig
 from kvtier.store.disk import DiskTier
 from kvtier.store.store import TieredStore
+from kvtier.store.transfers import load_records
 from kvtier_protocol.header import BlockHeader, Section, encode_header, payload_checksum
 
 DESCRIPTION = "tiered store: host put/get vs torch copy_, disk write/read/promote vs dd O_DIRECT"
@@ -188,61 +196,102 @@ def _disk_rows(loop: asyncio.AbstractEventLoop, work: Path, block: int, count: i
     mib = block // MIB
     total = block * count
     progress(f"store: disk {count} x {mib} MiB blocks in {work}, cold reads via {cold}")
-    pool = [bytes(t.numpy()) for t in _random_blocks(4, block, seed=99)]
-    payloads = [pool[i % len(pool)] for i in range(count)]
+    # Page-aligned sources, as host slots are: what the store snapshots, verifies and writes down.
+    pool = [_aligned(bytes(t.numpy())) for t in _random_blocks(4, block, seed=99)]
+    views = [pool[i % len(pool)] for i in range(count)]
     keys = [NS + _chain(i) for i in range(count)]
-    items = [(k, _header(i, p), p) for i, (k, p) in enumerate(zip(keys, payloads))]
+    headers = [_header(i, v) for i, v in enumerate(views)]
+    sums = [payload_checksum(v) for v in pool]
     per = max(1, batch // block)
     dd_file = work / "dd.bin"
 
-    def dd_write() -> float:
-        return _dd(["if=/dev/zero", f"of={dd_file}", f"bs={mib}M", f"count={count}", "oflag=direct"])
+    def dd_write(*flags: str) -> float:
+        return _dd(["if=/dev/zero", f"of={dd_file}", f"bs={mib}M", f"count={count}", "oflag=direct", *flags])
 
-    def dd_write_buffered() -> float:
-        return _dd(["if=/dev/zero", f"of={dd_file}", f"bs={mib}M", f"count={count}", "conv=fsync"])
-
-    def kv_write() -> float:
+    def kv_write_empty() -> float:
         shutil.rmtree(work / "w", ignore_errors=True)
         with DiskTier(work / "w", 2 * total) as disk:
             with Timer() as t:
                 for r in _batches(count, per):
-                    disk.put_many(items[r.start:r.stop])
-                disk.flush()
+                    _write(disk, keys[r.start:r.stop], headers[r.start:r.stop], views[r.start:r.stop],
+                           [sums[i % len(pool)] for i in r])
         return gbps(total, t.seconds)
 
-    with DiskTier(work / "r", 2 * total) as reader:
+    # At capacity (a cache's steady state): each batch first evicts as many bytes as it writes,
+    # as the store's make_room_disk does, and the files of the evicted records are written over.
+    sets = [keys, [NS + _chain(count + i) for i in range(count)]]
+    rounds = [0]
+
+    def kv_write_full(full: DiskTier, flush: bool) -> float:
+        new, old = sets[rounds[0] % 2], sets[(rounds[0] + 1) % 2]
+        rounds[0] += 1
+        with Timer() as t:
+            for r in _batches(count, per):
+                full.delete_many(old[r.start:r.stop])
+                _write(full, new[r.start:r.stop], headers[r.start:r.stop], views[r.start:r.stop],
+                       [sums[i % len(pool)] for i in r])
+            if flush:
+                full.flush()
+        return gbps(total, t.seconds)
+
+    with DiskTier(work / "full", 2 * total) as full, DiskTier(work / "r", 2 * total) as reader:
         for r in _batches(count, per):
-            reader.put_many(items[r.start:r.stop])
+            _write(full, sets[1][r.start:r.stop], headers[r.start:r.stop], views[r.start:r.stop],
+                   [sums[i % len(pool)] for i in r])
+            _write(reader, keys[r.start:r.stop], headers[r.start:r.stop], views[r.start:r.stop],
+                   [sums[i % len(pool)] for i in r])
         reader.flush()
+        dsts = [_aligned(bytes(block)) for _ in range(per)]
 
         def kv_read() -> float:
             _drop_cache(work / "r", cold)
             with Timer() as t:
                 for r in _batches(count, per):
-                    got = reader.get_many(keys[r.start:r.stop])
-                    assert all(g is not None for g in got), "bench read missed records"
-                    del got
+                    got = load_records(reader, keys[r.start:r.stop], headers[r.start:r.stop], dsts[:len(r)])
+                    assert got == ["ok"] * len(r), f"bench read got {got}"
             return gbps(total, t.seconds)
 
-        kv, base = alternate(kv_write, dd_write, repetitions=reps)
-        rows = [throughput_row(f"disk write {mib}MiB (put_many+flush)", "throughput", "GB/s", kv,
-                               "dd oflag=direct", base)]
-        # RocksDB writes through the page cache and fsyncs: the same path for dd, to show the bound.
-        kv, base = alternate(kv_write, dd_write_buffered, repetitions=reps)
-        rows.append(throughput_row(f"disk write {mib}MiB (put_many+flush)", "throughput", "GB/s", kv,
-                                   "dd conv=fsync (buffered)", base))
+        # Without flush, kvtier and dd promise the same: the bytes are on the device, the file
+        # system's metadata is not synced (survives SIGKILL, not power loss). With flush and
+        # fsync both sync. At capacity the tier writes over allocated files, and dd over its file.
+        dd_write()  # untimed: allocates the file that conv=notrunc writes over
+        kv, base = alternate(lambda: kv_write_full(full, False), lambda: dd_write("conv=notrunc"), repetitions=reps)
+        rows = [throughput_row(f"disk write {mib}MiB at capacity (evict+snapshot+verify+O_DIRECT write)",
+                               "throughput", "GB/s", kv, "dd oflag=direct conv=notrunc", base)]
+        kv, base = alternate(lambda: kv_write_full(full, True), lambda: dd_write("conv=notrunc,fsync"),
+                             repetitions=reps)
+        rows.append(throughput_row(f"disk write {mib}MiB at capacity (... + flush)", "throughput", "GB/s",
+                                   kv, "dd oflag=direct conv=notrunc,fsync", base))
+        kv, base = alternate(kv_write_empty, dd_write, repetitions=reps)
+        rows.append(throughput_row(f"disk write {mib}MiB into an empty tier (new files)", "throughput", "GB/s",
+                                   kv, "dd oflag=direct (new file)", base))
         shutil.rmtree(work / "w", ignore_errors=True)
         _drop_cache(work / "r", cold)
-        progress(f"store: after dropping caches, {_resident(work / 'r'):.1%} of the database is in the page cache")
+        progress(f"store: after dropping caches, {_resident(work / 'r'):.1%} of the tier's files are in the page cache")
         kv, base = alternate(kv_read, lambda: _dd_read(work / "r", mib), repetitions=reps)
-        rows.append(throughput_row(f"disk read {mib}MiB cold ({cold})", "throughput", "GB/s", kv,
-                                   "dd iflag=direct (same files)", base))
-    rows.append(_promote_row(loop, work, block, count, items, per, reps, cold))
+        rows.append(throughput_row(f"disk read {mib}MiB cold ({cold}) into aligned buffers, verified", "throughput",
+                                   "GB/s", kv, "dd iflag=direct (same files)", base))
+    rows.append(_promote_row(loop, work, block, count, [(k, h, v) for k, h, v in zip(keys, headers, views)], per,
+                             reps, cold))
     return rows
 
 
+def _aligned(data: bytes) -> memoryview:
+    """``data`` in a page-aligned anonymous mapping (a host slot's alignment)."""
+    mm = mmap.mmap(-1, max(1, len(data)))
+    view = memoryview(mm)[:len(data)]
+    view[:] = data
+    return view
+
+
+def _write(disk: DiskTier, keys: list[bytes], headers: list[bytes], views: list[memoryview], sums: list[int]) -> None:
+    """The store's demotion path: verified snapshots into the tier's aligned buffers, written
+    with O_DIRECT, one meta commit (``DiskTier.put_verified``, as ``Mover.write_disk_verified``)."""
+    assert all(disk.put_verified(list(zip(keys, headers, views, sums)))), "bench sources verify"
+
+
 def _promote_row(loop: asyncio.AbstractEventLoop, work: Path, block: int, count: int,
-                 items: list[tuple[bytes, bytes, bytes]], per: int, reps: int, cold: str) -> Row:
+                 items: list[tuple[bytes, bytes, memoryview]], per: int, reps: int, cold: str) -> Row:
     total = block * count
     cfg = StoreConfig(host_bytes=total + 64 * MIB, host_name_prefix="kvtier-bench", disk_path=str(work / "s"),
                       disk_bytes=2 * total)
@@ -288,11 +337,11 @@ def _dd(operands: list[str]) -> float:
     return gbps(nbytes, seconds)
 
 
-def _dd_read(db: Path, mib: int) -> float:
-    """dd iflag=direct over the database's own blob files: the same bytes at the same place on
-    the device as the records read (a virtual disk may cache a file read again and again)."""
+def _dd_read(tier: Path, mib: int) -> float:
+    """dd iflag=direct over the tier's own block files: the same bytes at the same place on the
+    device as the records read (a virtual disk may cache a file read again and again)."""
     nbytes = seconds = 0.0
-    for path in sorted(p for p in _files(db) if p.suffix == ".blob"):
+    for path in sorted(_files(tier / "data")):
         n, s = _dd_run([f"if={path}", "of=/dev/null", f"bs={mib}M", "iflag=direct"])
         nbytes, seconds = nbytes + n, seconds + s
     return gbps(int(nbytes), seconds) if nbytes else float("nan")
@@ -317,7 +366,8 @@ def _files(root: Path) -> list[Path]:
 
 
 def _drop_cache(root: Path, how: str) -> None:
-    """Evict ``root``'s files from the page cache (they are clean: RocksDB synced them)."""
+    """Evict ``root``'s files from the page cache (O_DIRECT bypasses it; RocksDB's meta files and
+    a buffered fallback do not)."""
     if how == "drop_caches":
         os.sync()
         try:

@@ -38,10 +38,11 @@ class StoreConfig:
         host_prefault: touch every page of the host tier in the background at start.
         host_pin: page-lock the host tier with CUDA in the background: None when CUDA is
             available (checking imports torch), False never, True when CUDA is available.
-        disk_path: directory of the RocksDB disk tier; None switches the disk tier off.
+        disk_path: directory of the disk tier (one O_DIRECT file per block record, their
+            metadata in RocksDB); None switches the disk tier off.
         disk_bytes: byte budget of the disk tier (records: header + payload); > 0 with a path.
-        disk_sync_writes: fsync the RocksDB WAL on each write (survives power loss, not just a
-            crash of the process; slower).
+        disk_sync_writes: on each write, fdatasync the block files, fsync their directories and
+            sync RocksDB's log (survives power loss, not just a crash of the process; slower).
         gpu_bytes: byte budget of the GPU tier (device memory reserved at start); 0 switches the
             tier off. Blocks enter it only through ``reserve(..., tier=Tier.GPU)``; its evictions
             go down into host memory.
@@ -73,7 +74,7 @@ class StoreConfig:
         max_events: events kept for ``take_events``; older ones are dropped (0: no events).
         max_batch: keys per call; larger batches are refused (bounds the work of one request).
         flush_on_close: at ``close()``, write every committed memory block (host or GPU) that has
-            no disk copy down to disk, verified, before closing RocksDB (then sync its log), so a
+            no disk copy down to disk, verified, before closing the disk tier (then sync it), so a
             restart after a clean shutdown keeps what the disk tier may keep: blocks the
             admission filter rejects are not written, and the disk's capacity and eviction apply
             as for demotions. No effect without a disk tier.

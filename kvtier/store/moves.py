@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from kvtier.store.gpu import GpuTier
 
 R = TypeVar("R")
+Payload = bytes | memoryview  # a verified payload copy: memoryviews are the disk tier's aligned buffers
 MEMORY_TIERS = (Tier.GPU, Tier.HOST)
 
 
@@ -187,22 +188,25 @@ class Mover:
 
     # --- copies out of memory ------------------------------------------------------------------
 
-    async def snapshot(self, metas: Sequence[BlockMeta], checksums: Sequence[int] | None = None) -> list[bytes | None]:
+    async def snapshot(self, metas: Sequence[BlockMeta], checksums: Sequence[int] | None = None) -> list[Payload | None]:
         """Verified copies of the payloads of ``metas``, from host where a host copy exists, else GPU.
+
+        Host copies go into the disk tier's page-aligned buffers when there is a disk tier: written
+        down in place and given back by :meth:`write_disk`, or freed with their last reference.
 
         Args:
             checksums: what to verify against (default: each block's committed checksum).
 
         Returns:
-            Per block: the payload bytes, or None when the copy fails its checksum.
+            Per block: the payload copy, or None when the copy fails its checksum.
         """
         sums = list(checksums) if checksums is not None else [m.checksum for m in metas]
-        out: list[bytes | None] = [None] * len(metas)
+        out: list[Payload | None] = [None] * len(metas)
         in_host = [i for i, m in enumerate(metas) if m.host_slot is not None]
         in_gpu = [i for i, m in enumerate(metas) if m.host_slot is None]
         if in_host:
             got = await self.run(snapshot_verified, [self.host.view(metas[i].host_slot) for i in in_host],
-                                 [sums[i] for i in in_host])
+                                 [sums[i] for i in in_host], None if self.disk is None else self.disk.buffers)
             for i, data in zip(in_host, got):
                 out[i] = data
         if in_gpu:
@@ -256,17 +260,10 @@ class Mover:
                 self.free_copy(meta, Tier.HOST, announce=False)
 
     async def _demote_to_disk(self, metas: list[BlockMeta]) -> None:
-        """Copy host blocks to disk (verified). Their host copies are freed by the caller."""
+        """Write host blocks to disk, verified on the way. Their host copies are freed by the caller."""
         if not metas:
             return
-        payloads = await self.snapshot(metas)
-        good = []
-        for meta, payload in zip(metas, payloads):
-            if payload is None:
-                self.counters.checksum_failures += 1  # the host copy is bad: drop, never write it down
-            else:
-                good.append((meta, payload))
-        written = await self.write_disk(good)
+        written = await self.write_disk_verified(metas)
         c = self.counters
         c.demotions += len(written)
         c.tiers[Tier.HOST].demotions += len(written)
@@ -274,8 +271,30 @@ class Mover:
 
     # --- disk ----------------------------------------------------------------------------------
 
-    async def write_disk(self, items: Sequence[tuple[BlockMeta, bytes]], *, announce: bool = True) -> list[BlockMeta]:
-        """Write verified payloads of committed blocks to disk; returns the blocks written.
+    async def write_disk_verified(self, metas: Sequence[BlockMeta]) -> list[BlockMeta]:
+        """Write the host copies of committed blocks to disk through verified snapshots
+        (:meth:`DiskTier.put_verified`: one copy per block, each overlapped with the write of the
+        one before); returns the blocks written. A copy that fails its checksum is counted and
+        not written; blocks that do not fit or whose write fails are left without a disk copy.
+        """
+        assert self.disk is not None, "callers check the disk tier exists"
+        batch = await self._room_on_disk(metas)
+        if not batch:
+            return []
+        items = [(m.key, m.header, self.host.view(m.host_slot), m.checksum) for m in batch]
+        try:
+            stored = await self.run(self.disk.put_verified, items)
+        except StorageError:
+            self.counters.storage_errors += 1
+            return []
+        self.counters.checksum_failures += stored.count(False)  # a bad host copy: never written down
+        written = [m for m, ok in zip(batch, stored) if ok]
+        self._placed_on_disk(written, announce=True)
+        return written
+
+    async def write_disk(self, items: Sequence[tuple[BlockMeta, Payload]], *, announce: bool = True) -> list[BlockMeta]:
+        """Write verified payloads (from :meth:`snapshot`) of committed blocks to disk; returns the
+        blocks written. The payload buffers go back to the disk tier's pool.
 
         Blocks that do not fit (after evicting disk LRU blocks) or whose write fails are left
         without a disk copy.
@@ -283,27 +302,40 @@ class Mover:
         Args:
             announce: emit STORED events (False when the caller announces the blocks itself).
         """
-        batch: list[tuple[BlockMeta, bytes]] = []
-        batch_bytes = 0
-        for meta, payload in items:
-            if await self.make_room_disk(batch_bytes + meta.charge(Tier.DISK)):
-                batch.append((meta, payload))
-                batch_bytes += meta.charge(Tier.DISK)
-        if not batch:
-            return []
         assert self.disk is not None, "callers check the disk tier exists"
-        records = [(m.key, m.header, p) for m, p in batch]
         try:
-            await self.run(self.disk.put_many, records)
-        except StorageError:
-            self.counters.storage_errors += 1
-            return []
-        for meta, _ in batch:
+            payload_of = dict(items)
+            batch = await self._room_on_disk([m for m, _ in items])
+            if not batch:
+                return []
+            try:
+                await self.run(self.disk.put_many, [(m.key, m.header, payload_of[m]) for m in batch])
+            except StorageError:
+                self.counters.storage_errors += 1
+                return []
+        finally:
+            for _, payload in items:
+                if isinstance(payload, memoryview):
+                    self.disk.buffers.give_back(payload)
+        self._placed_on_disk(batch, announce=announce)
+        return batch
+
+    async def _room_on_disk(self, metas: Sequence[BlockMeta]) -> list[BlockMeta]:
+        """The blocks of ``metas`` that fit on disk, in order, after evicting disk LRU blocks."""
+        batch: list[BlockMeta] = []
+        batch_bytes = 0
+        for meta in metas:
+            if await self.make_room_disk(batch_bytes + meta.charge(Tier.DISK)):
+                batch.append(meta)
+                batch_bytes += meta.charge(Tier.DISK)
+        return batch
+
+    def _placed_on_disk(self, metas: list[BlockMeta], *, announce: bool) -> None:
+        for meta in metas:
             self.index.place(meta, Tier.DISK)
             self.counters.tiers[Tier.DISK].bytes_in += meta.charge(Tier.DISK)
             if announce:
                 self.emit(EventKind.STORED, Tier.DISK, meta)
-        return [m for m, _ in batch]
 
     async def make_room_disk(self, nbytes: int) -> bool:
         """Evict least valuable disk blocks until ``nbytes`` fit; False if they never can."""

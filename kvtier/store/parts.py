@@ -17,7 +17,8 @@ from kvtier_protocol.errors import KVTierError
 
 from kvtier.store.audit import rebuild_index
 from kvtier.store.config import StoreConfig
-from kvtier.store.disk import DiskTier, ram_budget
+from kvtier.store.disk import DiskTier
+from kvtier.store.disk_ram import ram_budget
 from kvtier.store.flush import persist_at_close
 from kvtier.store.host import HostTier
 from kvtier.store.index import BlockIndex, BlockMeta
@@ -84,10 +85,11 @@ async def open_parts(cfg: StoreConfig, shared: Shared) -> StoreParts:
             index.capacity[Tier.GPU] = min(cfg.gpu_bytes, gpu.capacity)
         if cfg.disk_path is not None:
             path = cfg.disk_path
-            write_buffer, trim = ram_budget(cfg.host_bytes)
+            write_buffer, trim, buffers = ram_budget(cfg.host_bytes)
             disk = await asyncio.get_running_loop().run_in_executor(
                 pool, lambda: DiskTier(path, cfg.disk_bytes, sync_writes=cfg.disk_sync_writes,
-                                       write_buffer_bytes=write_buffer, malloc_trim_bytes=trim))
+                                       write_buffer_bytes=write_buffer, malloc_trim_bytes=trim,
+                                       buffer_pool_bytes=buffers))
         mover = Mover(cfg, index, host, disk, gpu, shared.counters, shared.events, shared.admission, pool)
         parts = StoreParts(pool, host, gpu, disk, mover,
                            BlockWriter(cfg, index, mover, shared.leases, shared.admission, shared.counters, shared.now),

@@ -12,8 +12,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvtier_protocol.errors import KVTierError
-from kvtier_protocol.header import payload_checksum, split_record, verify_payload
+from kvtier_protocol.header import decode_header, payload_checksum, verify_payload
 
+from kvtier.store.disk_io import BufferPool, copy_into
 from kvtier.store.types import BlockKey, Slot
 
 if TYPE_CHECKING:
@@ -22,37 +23,49 @@ if TYPE_CHECKING:
     from kvtier.store.host import HostTier
 
 
-def snapshot_verified(views: list[memoryview], checksums: list[int]) -> list[bytes | None]:
-    """Copy each view and verify the copy: the bytes written down are exactly the bytes checked."""
-    out: list[bytes | None] = []
+def snapshot_verified(views: list[memoryview], checksums: list[int],
+                      pool: BufferPool | None = None) -> list[memoryview | bytes | None]:
+    """Copy each view and verify the copy: the bytes written down are exactly the bytes checked.
+
+    With a ``pool`` (the disk tier's), each copy is a page-aligned buffer of it, which the disk
+    tier writes with O_DIRECT in place; the caller gives it back after the write. Else ``bytes``.
+    """
+    out: list[memoryview | bytes | None] = []
     for view, checksum in zip(views, checksums):
-        data = bytes(view)
-        out.append(data if payload_checksum(data) == checksum else None)
+        if pool is None:
+            data: memoryview | bytes = bytes(view)
+        else:
+            data = pool.get(view.nbytes)
+            copy_into(data, view)
+        if payload_checksum(data) == checksum:
+            out.append(data)
+        else:
+            out.append(None)
+            if pool is not None:
+                pool.give_back(data)
     return out
 
 
 def load_records(disk: DiskTier, keys: list[BlockKey], headers: list[bytes], views: list[memoryview]) -> list[str]:
-    """Read records, verify header and payload, copy payloads into host slots.
+    """Read records straight into host slots, verify header and payload there.
 
-    Returns, per key: ``"ok"``, ``"missing"`` (the disk no longer holds it) or ``"corrupt"``;
-    the caller maps a read error of the whole batch to ``"error"``.
+    Returns, per key: ``"ok"``, ``"missing"`` (the disk no longer holds it) or ``"corrupt"`` (the
+    caller frees a slot left so); the caller maps a read error of the batch to ``"error"``.
     """
     out = []
-    for header, view, record in zip(headers, views, disk.get_many(keys)):
-        if record is None:
+    for header, view, stored in zip(headers, views, disk.read_into(keys, views)):
+        if stored is None:
             out.append("missing")
-            continue
-        try:
-            h, payload = split_record(record)
-            verify_payload(h, payload)
-        except KVTierError:
-            out.append("corrupt")
-            continue
-        if memoryview(record)[:len(header)] != header:
-            out.append("corrupt")  # a valid record, but not the block the index committed
-            continue
-        view[:] = payload
-        out.append("ok")
+        elif stored != header:
+            out.append("corrupt")  # damaged, or not the block the index committed
+        else:
+            try:
+                h, _ = decode_header(header)
+                verify_payload(h, view)
+            except KVTierError:
+                out.append("corrupt")
+                continue
+            out.append("ok")
     return out
 
 

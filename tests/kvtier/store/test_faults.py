@@ -3,12 +3,12 @@
 * Disk full: a real ENOSPC from a small tmpfs mounted in a private mount namespace (``unshare -rm``;
   the store runs in that child process). Outcome: a write-through commit is refused (False, a
   storage error counted), everything stored earlier is still served.
-* RocksDB read error: a blob file truncated under the running store. Outcome: a miss, counted, the
+* Disk read error: a block file truncated under the running store. Outcome: a miss, counted, the
   record kept; blocks of other files still load.
-* A corrupted record: a payload byte flipped in the real blob file, and a header byte flipped in
-  the records column family through the raw rocksdict API. Outcome: a miss, a checksum failure
-  counted, the bad record dropped; the others load intact.
-* A slow disk: the real RocksDB write delayed (a wrapper on the real tier: no file system here
+* A corrupted record: a payload byte and a header byte flipped in the real block files, and a
+  header byte flipped in the meta column family through the raw rocksdict API. Outcome: a miss, a
+  checksum failure counted, the bad record dropped; the others load intact.
+* A slow disk: the real disk write delayed (a wrapper on the real tier: no file system here
   can be slowed). Outcome: lookups and releases keep answering at once; the commit is acknowledged
   once the write returns.
 * Host tier exhausted by leases: reserve answers FULL (no error); room comes back with the release.
@@ -38,7 +38,7 @@ from kvtier.store.types import Tier, make_key
 from tests.kvtier.store.storekit import BLOCK, NS, get, make_rec, put
 
 ROOT = Path(__file__).resolve().parents[3]
-BLOB = 64 << 10  # the disk tier's blob_min_bytes: records this large lie in blob files
+BLOB = 64 << 10  # payload bytes of the blocks whose files are damaged
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(str(ROOT / p) for p in ("", "protocol", "connectors"))}
 
 
@@ -133,28 +133,22 @@ def test_a_store_that_filled_its_disk_reopens_with_every_acknowledged_block(tmp_
     assert out["reopened_intact"] == out["acked"]
 
 
-# --- RocksDB read errors and corrupted records ------------------------------------------------------
+# --- disk read errors and corrupted records ----------------------------------------------------------
 
 
 async def _disk_only(open_store, n: int):
-    """``n`` write-through blocks, each flushed into a blob file of its own, then evicted from host."""
+    """``n`` write-through blocks, each in its block file, then evicted from host."""
     store = await open_store(host_bytes=4 * BLOB, host_segment_bytes=4 * BLOB, write_through=True)
     recs = [make_rec(i, nbytes=BLOB) for i in range(n)]
-    files: list[set[str]] = []
-    for r in recs:
-        before = set(glob.glob(os.path.join(store.disk.path, "*.blob")))
-        assert await put(store, [r]) == [True]
-        store.disk.flush()
-        files.append(set(glob.glob(os.path.join(store.disk.path, "*.blob"))) - before)
+    assert await put(store, recs) == [True] * n
     filler = [make_rec(100 + i, nbytes=BLOB) for i in range(4)]
     assert await put(store, filler) == [True] * 4  # pushes the first blocks out of host
     for r in recs:
         assert store.lookup(NS, [r.chain_hash]).tiers == [Tier.DISK]
-    assert all(len(f) == 1 for f in files), "one blob file per flushed block"
-    return store, recs, [f.pop() for f in files]
+    return store, recs, [store.disk.file_path(make_key(NS, r.chain_hash)) for r in recs]
 
 
-async def test_a_truncated_blob_file_is_a_counted_miss_and_other_blocks_load(open_store):
+async def test_a_truncated_block_file_is_a_counted_miss_and_other_blocks_load(open_store):
     store, recs, files = await _disk_only(open_store, 3)
     os.truncate(files[1], 0)
     assert await get(store, NS, [recs[1].chain_hash]) == []
@@ -192,7 +186,7 @@ async def test_a_flipped_payload_byte_on_disk_is_a_miss_never_served(open_store)
     store, recs, files = await _disk_only(open_store, 3)
     data = Path(files[1]).read_bytes()
     at = data.find(recs[1].payload[:64])
-    assert at >= 0, "the payload lies in the blob file as written"
+    assert at >= 0, "the payload lies in the block file as written"
     with open(files[1], "r+b") as f:
         f.seek(at + 1000)
         f.write(bytes([data[at + 1000] ^ 0x01]))
@@ -206,28 +200,38 @@ async def test_a_flipped_payload_byte_on_disk_is_a_miss_never_served(open_store)
     assert (await store.check()).ok
 
 
-async def test_a_flipped_header_byte_in_rocksdb_is_a_miss_and_the_rest_load(open_store, tmp_path):
+async def test_a_flipped_header_byte_in_a_block_file_is_a_miss_and_the_rest_load(open_store):
+    store, recs, files = await _disk_only(open_store, 3)
+    with open(files[2], "r+b") as f:
+        f.seek(30)  # inside the msgpack header map, covered by the header checksum
+        byte = f.read(1)
+        f.seek(30)
+        f.write(bytes([byte[0] ^ 0x20]))
+    assert await get(store, NS, [r.chain_hash for r in recs]) == [(r.header, r.payload) for r in recs[:2]]
+    assert store.counters.checksum_failures == 1
+    assert store.lookup(NS, [recs[2].chain_hash]).num_hits == 0
+    assert (await store.check()).ok
+
+
+async def test_a_flipped_header_byte_in_rocksdb_meta_drops_the_block_at_start(open_store, tmp_path):
     store = await open_store(write_through=True)
     recs = [make_rec(i) for i in range(4)]
     assert await put(store, recs) == [True] * 4
     await store.close()
-    # Reach the record through RocksDB itself, as another tool could: column family "records".
-    opts = Options(raw_mode=True)
-    db = Rdict(str(tmp_path / "disk"), opts, column_families={"records": Options(raw_mode=True),
-                                                              "meta": Options(raw_mode=True)})
-    records = db.get_column_family("records")
+    # Reach the metadata through RocksDB itself, as another tool could: column family "blocks".
+    db = Rdict(str(tmp_path / "disk" / "meta"), Options(raw_mode=True), column_families={"blocks": Options(raw_mode=True)})
+    blocks = db.get_column_family("blocks")
     key = make_key(NS, recs[2].chain_hash)
-    value = bytearray(records[key])
-    value[30] ^= 0x20  # inside the msgpack header map, covered by the header checksum
-    records[key] = bytes(value)
-    records.close()
-    db.get_column_family("meta").close()
+    value = bytearray(blocks[key])
+    value[16 + 30] ^= 0x20  # past the location prefix, inside the header map
+    blocks[key] = bytes(value)
+    blocks.close()
     db.close()
 
     again = await open_store(write_through=True)
-    assert await get(again, NS, [r.chain_hash for r in recs]) == [(r.header, r.payload) for r in recs[:2]]
     assert again.counters.checksum_failures == 1
-    assert again.lookup(NS, [recs[2].chain_hash]).num_hits == 0
+    assert again.lookup(NS, [recs[2].chain_hash]).num_hits == 0 and not again.disk.contains(key)
+    assert await get(again, NS, [r.chain_hash for r in recs]) == [(r.header, r.payload) for r in recs[:2]]
     assert await get(again, NS, [recs[3].chain_hash]) == [(recs[3].header, recs[3].payload)]
     assert (await again.check()).ok
 
@@ -242,7 +246,7 @@ async def test_a_slow_disk_delays_the_commit_but_not_lookups_and_releases(open_s
     disk = store.disk
     real_put = disk.put_many
 
-    def slow_put(items):  # the real RocksDB write, after the latency of a struggling device
+    def slow_put(items):  # the real disk write, after the latency of a struggling device
         time.sleep(0.5)
         real_put(items)
 

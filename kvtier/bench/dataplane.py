@@ -6,12 +6,13 @@ on 127.0.0.1, REST off) and connects one :class:`kvtier.client.Client` to each e
 Rows:
   * ``shm put`` / ``tcp put`` per block size (GB/s of payload): ``Client.save`` of batches of
     ``--batch-mib`` bytes of blocks, through the unix socket (reserve → copy into the daemon's
-    shared memory → commit) and through TCP (records inline in ``put`` frames). The blocks are
-    deleted (untimed) after each repetition, so every save stores new blocks, never "exists".
+    shared memory → commit; pipelined in sub-batches with ``--pipeline-mib``) and through TCP
+    (records inline in ``put`` frames). The blocks are deleted (untimed) after each repetition,
+    so every save stores new blocks, never "exists".
   * ``shm get`` / ``tcp get`` (GB/s of payload): ``Client.load_into`` of the same batches into
-    preallocated destination tensors (acquire → copy out of shared memory → release; ``get`` with
-    records inline → copy and verify), the destinations rotating over the working set exactly
-    as the baseline's do. The gets start once the daemon has checked the stored blocks (it does
+    preallocated destination tensors (acquire → copy out of shared memory → release, pipelined
+    with ``--pipeline-mib``; ``get`` with records inline → copy and verify), the destinations
+    rotating over the working set exactly as the baseline's do. The gets start once the daemon has checked the stored blocks (it does
     so within ``kvtier.store.scrub.MAX_DELAY_S`` of a save), as a later load of a saved prefix
     finds them: the copy out of shared memory is then not hashed again by the client.
   * Baseline of all four: a torch ``copy_`` of the same bytes on one thread (``--memcpy-threads``;
@@ -68,6 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch threads of the copy_ baseline (default 1: the client copies on one)")
     parser.add_argument("--work-dir", default=None,
                         help="parent of the daemon's temp dir (socket, token, disk, log; default $TMPDIR)")
+    parser.add_argument("--pipeline-mib", type=float, default=None,
+                        help="payload MiB per pipelined sub-batch of the shm rows (default: the "
+                             "client's, 0: one request batch at a time, each answer awaited)")
     parser.add_argument("--daemon-profile", metavar="FILE", default=None,
                         help="run the daemon under cProfile and write its stats to FILE")
 
@@ -87,7 +91,8 @@ def run(args: argparse.Namespace) -> SuiteResult:
     daemon = _daemon(work, host_bytes, args.daemon_profile)
     try:
         daemon.start()
-        with Client.connect(f"unix:{daemon.socket}", timeout_s=60.0) as shm, \
+        pipe = {} if args.pipeline_mib is None else {"pipeline_bytes": int(args.pipeline_mib * MIB)}
+        with Client.connect(f"unix:{daemon.socket}", timeout_s=60.0, **pipe) as shm, \
                 Client.connect(daemon.tcp, token=daemon.token(), timeout_s=60.0) as tcp:
             assert shm.session is not None and shm.session.shm is not None, "unix socket without segments"
             for nbytes in sizes:

@@ -14,6 +14,7 @@ stall the calls behind it); the next call reconnects.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -22,10 +23,11 @@ from kvtier_protocol.errors import KVTierError, Unavailable
 
 from kvtier.client import retry
 from kvtier.client.address import Address, parse_address
-from kvtier.client.aio_transport import AsyncConnection
+from kvtier.client.aio_transport import AsyncConnection, Sent
 from kvtier.client.api import ClientBase, FlowFactory, degrade_error
 from kvtier.client.errors import ConnectionLost, TimedOut
-from kvtier.client.flows import NO_HITS, Flow, LookupResult
+from kvtier.client.calls import Await, Call, Flow, Ticket
+from kvtier.client.flows import NO_HITS, LookupResult
 from kvtier.client.options import ClientOptions
 from kvtier.client.session import Session
 
@@ -144,21 +146,40 @@ class AsyncClient(ClientBase):
     async def _drive(conn: AsyncConnection, flow: Flow[T], committed: list[bool]) -> T:
         reply: Any = None
         error: BaseException | None = None
+        sent: dict[int, tuple[Call, Sent | None]] = {}  # ticket -> (call, request) not awaited
+        tickets = itertools.count(1)
         try:
             while True:
                 try:
-                    call = flow.send(reply) if error is None else flow.throw(error)
+                    step = flow.send(reply) if error is None else flow.throw(error)
                 except StopIteration as stop:
                     return stop.value
                 reply, error = None, None
-                committed[0] = committed[0] or call.commits
+                if isinstance(step, Await):
+                    call, request = sent.pop(step.ticket)
+                    try:
+                        reply = None if request is None else await conn.receive(request)
+                    except KVTierError as exc:
+                        if not call.best_effort:
+                            error = exc
+                    continue
+                committed[0] = committed[0] or step.commits
+                request = None
                 try:
-                    reply = await conn.call(call)
+                    request = await conn.send(step)
+                    if step.wait:
+                        reply = await conn.receive(request)
                 except KVTierError as exc:
-                    if not call.best_effort:
+                    if not step.best_effort:
                         error = exc
+                if not step.wait and error is None:
+                    reply = Ticket(next(tickets))
+                    sent[reply] = (step, request)
         finally:
             flow.close()
+            for _, request in sent.values():  # tickets never awaited: answers dropped, leases released
+                if request is not None:
+                    conn.forget(request)
 
     # -- operations (see kvtier.client.Client for the full documentation) -------------------
 

@@ -19,6 +19,7 @@ import asyncio
 import itertools
 import os
 import socket
+from dataclasses import dataclass
 
 from kvtier_protocol.errors import FrameError, KVTierError, ProtocolError
 from kvtier_protocol.frames import (DEFAULT_LIMITS, Frame, FrameDecoder, Response, encode_frame,
@@ -27,12 +28,11 @@ from kvtier_protocol.frames import (DEFAULT_LIMITS, Frame, FrameDecoder, Respons
 
 from kvtier.client.address import Address
 from kvtier.client.errors import ConnectionLost, TimedOut, Unreachable
-from kvtier.client.flows import Call
+from kvtier.client.calls import LEASE_OPS, Call
 from kvtier.client.options import ClientOptions
 from kvtier.client.session import MAX_FDS, Session, hello_keys, open_session
 
 _FIRST_READ = 64 << 10
-_LEASE_OPS = ("acquire", "reserve")
 
 
 def _fresh(exc: BaseException) -> BaseException:
@@ -84,6 +84,14 @@ async def _unix_hello(address: Address, hello: bytes) -> tuple[socket.socket, Fr
             os.close(fd)
         sock.close()
         raise
+
+
+@dataclass(frozen=True, slots=True)
+class Sent:
+    """A request on the wire: its op and the future of its answer frame."""
+
+    op: str
+    future: asyncio.Future[Frame]
 
 
 class AsyncConnection:
@@ -157,36 +165,73 @@ class AsyncConnection:
             ConnectionLost: the connection broke (before or while waiting).
             KVTierError: the error the daemon answered, or a malformed response.
         """
-        limits = self.session.limits
-        async with self._slots:
+        return await self.receive(await self.send(call))
+
+    async def send(self, call: Call) -> Sent:
+        """Send one request (once one of ``max_inflight`` places is free); returns the handle
+        to :meth:`receive` or :meth:`forget` its answer. Waits for room in the socket buffer only
+        for requests that are waited for (``call.wait``): the others are small.
+
+        Raises:
+            ConnectionLost: the connection is broken.
+        """
+        await self._slots.acquire()
+        try:
             if self._error is not None:
                 raise _fresh(self._error)
             ident = next(self._ids)
-            buffers = encode_frame({"op": call.op, "id": ident, **call.keys}, call.payload, limits=limits)
-            future: asyncio.Future[Frame] = asyncio.get_running_loop().create_future()
-            self._pending[ident] = (call.op, future)
-            try:
-                self._writer.writelines(buffers)
+            buffers = encode_frame({"op": call.op, "id": ident, **call.keys}, call.payload,
+                                   limits=self.session.limits)
+        except BaseException:
+            self._slots.release()
+            raise
+        future: asyncio.Future[Frame] = asyncio.get_running_loop().create_future()
+        future.add_done_callback(lambda _: self._slots.release())  # answered, failed or cancelled
+        self._pending[ident] = (call.op, future)
+        sent = Sent(call.op, future)
+        try:
+            self._writer.writelines(buffers)
+            if call.wait:
                 await self._writer.drain()
-            except OSError as exc:
-                self.abort(ConnectionLost(f"connection to {self._address} broke: {exc}"))
-            try:
-                frame = await future
-            except asyncio.CancelledError:
-                if future.done() and not future.cancelled():
-                    self._abandoned(call.op, future.result())
-                raise
+        except OSError as exc:
+            self.abort(ConnectionLost(f"connection to {self._address} broke: {exc}"))
+        except asyncio.CancelledError:
+            self.forget(sent)
+            raise
+        return sent
+
+    async def receive(self, sent: Sent) -> Response:
+        """The typed response of a request :meth:`send` sent (each once).
+
+        Raises:
+            As :meth:`call`.
+        """
+        future = sent.future
+        try:
+            frame = await future
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled():
+                self._abandoned(sent.op, future.result())
+            raise
         raise_for_error(frame.header)
         try:
-            return parse_response(call.op, frame, limits=limits)
+            return parse_response(sent.op, frame, limits=self.session.limits)
         except KVTierError as exc:
             self.abort(exc)  # the daemon broke the schema: do not trust the stream any more
             raise
 
+    def forget(self, sent: Sent) -> None:
+        """Never claim the answer of ``sent``: it is dropped, and a lease it grants released."""
+        future = sent.future
+        if not future.done():
+            future.cancel()  # the reader finds it done and hands the answer to _abandoned
+        elif not future.cancelled() and future.exception() is None:
+            self._abandoned(sent.op, future.result())
+
     def _abandoned(self, op: str, frame: Frame) -> None:
         """Release the lease of a response nobody waits for any more."""
         lease = frame.header.get("lease")
-        if op in _LEASE_OPS and frame.header.get("ok") is True and type(lease) is int and lease > 0:
+        if op in LEASE_OPS and frame.header.get("ok") is True and type(lease) is int and lease > 0:
             if self._error is None:
                 ident = next(self._ids)
                 self._pending[ident] = None  # its answer is read and dropped

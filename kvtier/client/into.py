@@ -133,4 +133,4 @@ def load_into_flow(s: Session, ns_id: bytes, hashes: list[bytes],
             shm.read_into(slot, _dest(dests, i, h), copy_plain)
             return h
         return _checked(h, shm.read_into(slot, _dest(dests, i, h), copy_hashed))
-    return (yield from acquire_flow(s, ns_id, hashes, take_slot))
+    return (yield from acquire_flow(s, ns_id, hashes, take_slot, [d.nbytes for d in dests]))

@@ -33,6 +33,7 @@ class Session:
         shm: the mapped host segments (unix socket), or None: then save and load go inline (put/get).
         lease_ms: lease lifetime asked for reservations and pins, within ``limits.max_lease_ms``.
         trust_checked: skip hashing slots the daemon reports checked (``ClientOptions.verify``).
+        pipeline_bytes: payload bytes per pipelined sub-batch, 0: none (``ClientOptions``).
     """
 
     server: str
@@ -40,6 +41,7 @@ class Session:
     shm: SegmentMap | None
     lease_ms: int
     trust_checked: bool = False
+    pipeline_bytes: int = 0
 
     def close(self) -> None:
         """Unmap the segments (idempotent)."""
@@ -81,4 +83,4 @@ def open_session(response: HelloResponse, fds: Sequence[int], options: ClientOpt
             os.close(fd)
     lease_ms = min(options.lease_ms, response.limits.max_lease_ms)
     return Session(server=response.server, limits=response.limits, shm=shm, lease_ms=lease_ms,
-                   trust_checked=options.verify == "auto")
+                   trust_checked=options.verify == "auto", pipeline_bytes=options.pipeline_bytes)

@@ -1,4 +1,4 @@
-"""The blocking kvtier client: plain sockets, one request at a time, safe to share across threads.
+"""The blocking kvtier client: plain sockets, one call at a time, safe to share across threads.
 
 ::
 
@@ -14,6 +14,7 @@ into misses unless called with ``degrade=False``.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -25,7 +26,8 @@ from kvtier.client import retry
 from kvtier.client.address import Address, parse_address
 from kvtier.client.api import ClientBase, degrade_error
 from kvtier.client.errors import ConnectionLost
-from kvtier.client.flows import NO_HITS, Flow, LookupResult
+from kvtier.client.calls import Await, Call, Flow, Ticket
+from kvtier.client.flows import NO_HITS, LookupResult
 from kvtier.client.options import ClientOptions
 from kvtier.client.session import Session
 from kvtier.client.transport import BlockingConnection
@@ -144,21 +146,45 @@ class Client(ClientBase):
     def _drive(conn: BlockingConnection, flow: Flow[T], deadline: float, committed: list[bool]) -> T:
         reply: Any = None
         error: BaseException | None = None
+        sent: dict[int, tuple[Call, int | None]] = {}  # ticket -> (call, request id) not awaited
+        tickets = itertools.count(1)
         try:
             while True:
                 try:
-                    call = flow.send(reply) if error is None else flow.throw(error)
+                    step = flow.send(reply) if error is None else flow.throw(error)
                 except StopIteration as stop:
                     return stop.value
                 reply, error = None, None
-                committed[0] = committed[0] or call.commits
+                if isinstance(step, Await):
+                    call, ident = sent.pop(step.ticket)
+                    try:
+                        reply = None if ident is None else conn.receive(ident, deadline)
+                    except KVTierError as exc:
+                        if not call.best_effort:
+                            error = exc
+                    continue
+                committed[0] = committed[0] or step.commits
+                ident = None
                 try:
-                    reply = conn.call(call, deadline)
+                    ident = conn.send(step, deadline)
+                    if step.wait:
+                        reply = conn.receive(ident, deadline)
                 except KVTierError as exc:
-                    if not call.best_effort:
+                    if not step.best_effort:
                         error = exc
+                if not step.wait and error is None:
+                    reply = Ticket(next(tickets))
+                    sent[reply] = (step, ident)
         finally:
             flow.close()
+            for _, ident in sent.values():  # tickets never awaited: answers dropped, leases released
+                if ident is not None:
+                    conn.forget(ident, deadline)
+            if not conn.closed:
+                try:
+                    conn.flush(deadline)  # deferred requests (releases, commits) leave with the call
+                except KVTierError:
+                    pass  # closed by flush; a lost release expires, a lost commit was never answered
 
     # -- operations --------------------------------------------------------------------------
 

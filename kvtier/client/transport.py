@@ -1,4 +1,9 @@
-"""A blocking data-plane connection: one request at a time over a plain socket.
+"""A blocking data-plane connection over a plain socket: requests sent, answers read when claimed.
+
+A request is sent (:meth:`BlockingConnection.send`, returning its id) and its answer read when it
+is claimed (:meth:`~BlockingConnection.receive`); answers to other requests read on the way are
+kept until claimed, and those of forgotten requests are dropped (a lease they grant released).
+:meth:`~BlockingConnection.call` is the two at once.
 
 No event loop: frames are written with ``sendmsg`` (header and payload buffers gathered, not
 joined) and read with ``recv_into`` into buffers sized from the preamble, after its lengths were
@@ -22,13 +27,14 @@ from kvtier_protocol.frames import (DEFAULT_LIMITS, PREAMBLE_LEN, Buffer, Frame,
 
 from kvtier.client.address import Address
 from kvtier.client.errors import ConnectionLost, TimedOut, Unreachable
-from kvtier.client.flows import Call
+from kvtier.client.calls import LEASE_OPS, Call
 from kvtier.client.options import ClientOptions
 from kvtier.client.retry import remaining_s
 from kvtier.client.session import MAX_FDS, Session, hello_keys, open_session
 
 _IOV_MAX = 1024  # buffers per sendmsg (Linux UIO_MAXIOV)
 _FIRST_READ = 64 << 10
+_READ_AHEAD = 64 << 10  # bytes asked of each recv of frame headers
 
 
 def connect_socket(address: Address, timeout: float) -> socket.socket:
@@ -64,7 +70,11 @@ class BlockingConnection:
         self._sock: socket.socket | None = sock
         self._address = address
         self._ids = itertools.count(1)
-        self._pending = bytearray()  # bytes read with the hello descriptors beyond what was used
+        self._pending = bytearray()  # bytes read beyond the frames consumed so far
+        self._inflight: dict[int, str] = {}  # id -> op of each request whose answer is not claimed
+        self._arrived: dict[int, Frame] = {}  # answers read while waiting for another one
+        self._forgotten: set[int] = set()  # ids whose answers are dropped when they arrive
+        self._outbox: list[Buffer] = []  # frames of deferred requests, written with the next write
         self.session: Session | None = None
 
     @classmethod
@@ -135,24 +145,103 @@ class BlockingConnection:
             KVTierError: the error the daemon answered, or a malformed response (connection
                 closed then).
         """
+        return self.receive(self.send(call, deadline), deadline)
+
+    def send(self, call: Call, deadline: float) -> int:
+        """Send one request (a deferred one, ``call.defer``, with the next write); returns its id,
+        for :meth:`receive` or :meth:`forget`.
+
+        Raises:
+            ConnectionLost, TimedOut: as :meth:`call` (the connection is closed then).
+        """
         session = self.session
         assert session is not None, "hello precedes every call"
+        self._live()
         ident = next(self._ids)
-        buffers = encode_frame({"op": call.op, "id": ident, **call.keys}, call.payload,
-                               limits=session.limits)  # a request above the limits: caller's error
+        # a request above the limits: the caller's error, raised before anything is queued
+        self._outbox += encode_frame({"op": call.op, "id": ident, **call.keys}, call.payload,
+                                     limits=session.limits)
+        self._inflight[ident] = call.op
+        if not call.defer:
+            self.flush(deadline)
+        return ident
+
+    def flush(self, deadline: float) -> None:
+        """Write the deferred requests.
+
+        Raises:
+            ConnectionLost, TimedOut: as :meth:`call` (the connection is closed then).
+        """
+        if not self._outbox:
+            return
+        out, self._outbox = self._outbox, []
         try:
-            self._send(buffers, deadline)
-            frame = self._recv_frame(session.limits, deadline)
-            self._check_id(frame, ident)
+            self._send(out, deadline)
         except BaseException:
             self.close()  # the stream may be mid-frame: never reuse it
             raise
+
+    def receive(self, ident: int, deadline: float) -> object:
+        """The typed response of request ``ident`` (sent, not yet received or forgotten).
+
+        Raises:
+            As :meth:`call`.
+        """
+        session = self.session
+        assert session is not None, "hello precedes every call"
+        self._live()  # closed since it was sent (another request broke the stream): lost
+        assert ident in self._inflight, "a request sent and not yet claimed"
+        try:
+            frame = self._arrived.pop(ident, None)
+            if frame is None:
+                frame = self._read_until(ident, session.limits, deadline)
+        except BaseException:
+            self.close()  # the stream may be mid-frame: never reuse it
+            raise
+        op = self._inflight.pop(ident)
         raise_for_error(frame.header)
         try:
-            return parse_response(call.op, frame, limits=session.limits)
+            return parse_response(op, frame, limits=session.limits)
         except KVTierError:
             self.close()  # the daemon broke the schema: do not trust the stream any more
             raise
+
+    def forget(self, ident: int, deadline: float) -> None:
+        """Never claim the answer of request ``ident``: drop it (now or when it arrives), and
+        release the lease it grants (acquire, reserve). Best effort: a lease lost here expires."""
+        if ident not in self._inflight or self._sock is None:
+            return
+        frame = self._arrived.pop(ident, None)
+        if frame is None:
+            self._forgotten.add(ident)
+            return
+        try:
+            self._drop(ident, frame, deadline)
+        except KVTierError:
+            self.close()
+
+    def _read_until(self, ident: int, limits: Limits, deadline: float) -> Frame:
+        while True:
+            frame = self._recv_frame(limits, deadline)
+            other = frame.id
+            if other == ident:
+                return frame
+            if other in self._forgotten:
+                self._drop(other, frame, deadline)
+            elif other in self._inflight and other not in self._arrived:
+                self._arrived[other] = frame
+            else:
+                self._check_id(frame, ident)  # raises: a connection-level error, or a stray id
+
+    def _drop(self, ident: int, frame: Frame, deadline: float) -> None:
+        self._forgotten.discard(ident)
+        op = self._inflight.pop(ident)
+        lease = frame.header.get("lease")
+        if op in LEASE_OPS and frame.header.get("ok") is True and type(lease) is int and lease > 0:
+            release = next(self._ids)
+            self._send(encode_frame({"op": "release", "id": release, "lease": lease}), deadline)
+            self._inflight[release] = "release"
+            self._forgotten.add(release)
 
     def _check_id(self, frame: Frame, ident: int) -> None:
         if frame.id == ident:
@@ -205,10 +294,36 @@ class BlockingConnection:
                 raise ConnectionLost(f"connection to {self._address} broke: {exc}") from exc
         return buf
 
+    def _fill(self, n: int, deadline: float, *, at_frame_start: bool = False) -> None:
+        """Have at least ``n`` bytes in ``_pending``, reading whatever the socket holds (up to
+        :data:`_READ_AHEAD` at a time): the small frames of answers sent together, as a pipelined
+        flow's are, then cost one ``recv`` between them rather than two each."""
+        pending = self._pending
+        if len(pending) >= n:
+            return
+        self.flush(deadline)  # never wait for an answer to a request still held back
+        sock = self._live()
+        try:
+            while len(pending) < n:
+                sock.settimeout(remaining_s(deadline, "receive"))
+                data = sock.recv(max(n - len(pending), _READ_AHEAD))
+                if not data:
+                    where = "between frames" if at_frame_start and not pending else "inside a frame"
+                    raise ConnectionLost(f"daemon at {self._address} closed the connection {where}")
+                pending += data
+        except TimeoutError as exc:
+            raise TimedOut(f"no answer from {self._address} in time") from exc
+        except OSError as exc:
+            raise ConnectionLost(f"connection to {self._address} broke: {exc}") from exc
+
     def _recv_frame(self, limits: Limits, deadline: float) -> Frame:
-        preamble = self._recv_exact(PREAMBLE_LEN, deadline, at_frame_start=True)
-        header_len, payload_len, has_payload = parse_preamble(preamble, limits)
-        header = decode_header(self._recv_exact(header_len, deadline))
+        self._fill(PREAMBLE_LEN, deadline, at_frame_start=True)
+        header_len, payload_len, has_payload = parse_preamble(self._pending, limits)
+        end = PREAMBLE_LEN + header_len
+        self._fill(end, deadline)
+        header = decode_header(self._pending[PREAMBLE_LEN:end])
+        del self._pending[:end]
+        # A payload is read straight into its own buffer (after what was read ahead of it).
         payload = memoryview(self._recv_exact(payload_len, deadline)).toreadonly() if has_payload else None
         return Frame(header, payload)
 
@@ -217,5 +332,9 @@ class BlockingConnection:
         sock, self._sock = self._sock, None
         if sock is not None:
             sock.close()
+        self._inflight.clear()
+        self._arrived.clear()
+        self._forgotten.clear()
+        self._outbox.clear()
         if self.session is not None:
             self.session.close()

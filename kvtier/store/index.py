@@ -305,14 +305,24 @@ class BlockIndex:
         return tier is Tier.DISK or meta.leases == 0
 
     def _refresh(self, meta: BlockMeta) -> None:
-        """Bring LRU membership of ``meta`` in line with :meth:`evictable` (new entries go MRU)."""
-        for tier in TIERS:
-            lru = self._lru[tier]
-            if self.evictable(meta, tier):
-                if not lru.contains(meta, meta.priority):
-                    lru.push(meta, meta.priority)
+        """Bring LRU membership of ``meta`` in line with :meth:`evictable` (new entries go MRU).
+
+        :meth:`evictable` for the three tiers, unrolled: this runs several times per block on
+        every put and get (lease, commit, unlease), where the generic loop was a visible share
+        of the daemon's per-block cost.
+        """
+        movable = meta.linked and meta.state is BlockState.COMMITTED and not meta.moving
+        unpinned = movable and meta.leases == 0
+        priority = meta.priority
+        lru = self._lru
+        for queue, wanted in ((lru[_GPU], unpinned and meta.gpu_slot is not None),
+                              (lru[_HOST], unpinned and meta.host_slot is not None),
+                              (lru[_DISK], movable and meta.on_disk)):
+            if wanted:
+                if not queue.contains(meta, priority):
+                    queue.push(meta, priority)
             else:
-                lru.remove(meta, meta.priority)
+                queue.remove(meta, priority)
 
     # --- audit -------------------------------------------------------------------------------
 

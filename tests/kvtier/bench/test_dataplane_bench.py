@@ -36,7 +36,8 @@ def test_quick_dataplane_bench_writes_json(registered: Path, tmp_path: Path) -> 
     out = tmp_path / "dataplane.json"
     argv = ["bench", "dataplane", "--quick", "--repetitions", "1", "--json", str(out),
             "--sizes-mib", "0.25,1", "--working-set-mib", "2", "--batch-mib", "1",
-            "--lookup-keys", "64", "--lookup-calls", "20", "--work-dir", str(registered)]
+            "--lookup-keys", "64", "--lookup-calls", "20", "--work-dir", str(registered),
+            "--pipeline-mib", "0.5"]  # sub-batches of two 0.25 MiB blocks: the shm rows pipeline
     assert main(argv) == 0
     doc = json.loads(out.read_text())
     assert doc["suite"] == "dataplane"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import random
+import time
+from collections.abc import Callable
 
 from kvtier_protocol.header import BlockHeader, Section, encode_header, payload_checksum
 
@@ -33,3 +35,14 @@ def make_blocks(n: int, size: int, *, ns_id: bytes = NS_ID, tag: bytes = b"") ->
     keys = [key(i, tag) for i in range(n)]
     return [(k, make_record(ns_id, k, size, seed=i, parent=keys[i - 1] if i else None))
             for i, k in enumerate(keys)]
+
+
+def eventually(condition: Callable[[], bool], timeout_s: float = 5.0) -> bool:
+    """Poll ``condition`` until it holds or ``timeout_s`` passed; its last value. Releases travel
+    without the client waiting for their answers, so a peer sees them shortly after a call."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True

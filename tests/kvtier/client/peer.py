@@ -101,19 +101,26 @@ class Peer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, unix: bool) -> None:
         self.writers.add(writer)
         tasks: set[asyncio.Task] = set()
+        owned: set[int] = set()  # leases granted on this connection
         try:
             hello = await F.read_frame(reader)
             if hello is None or not self._hello(hello, writer, unix):
                 return
             while (frame := await F.read_frame(reader, self.limits)) is not None:
-                task = asyncio.create_task(self._answer(frame, writer, unix))
+                task = asyncio.create_task(self._answer(frame, writer, unix, owned))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
         except (KVTierError, ConnectionError):
             pass
         finally:
+            # Like kvtierd, requests read before the end are still served; a stalled or slow one
+            # is cut short.
+            if tasks:
+                await asyncio.wait(list(tasks), timeout=1.0)
             for task in tasks:
                 task.cancel()
+            for lease in owned:  # like kvtierd: a connection's leases end with it
+                self.leases.pop(lease, None)
             self.writers.discard(writer)
             writer.transport.abort()
 
@@ -134,7 +141,7 @@ class Peer:
             writer.write(data)
         return True
 
-    async def _answer(self, frame: F.Frame, writer: asyncio.StreamWriter, unix: bool) -> None:
+    async def _answer(self, frame: F.Frame, writer: asyncio.StreamWriter, unix: bool, owned: set[int]) -> None:
         op = frame.op or "?"
         self.ops[op] += 1
         if self.stalled.is_set():
@@ -158,6 +165,8 @@ class Peer:
             if op in ("reserve", "commit", "acquire") and not unix:
                 raise InvalidRequest(f"{op} needs shared memory")
             resp: Any = getattr(self, f"_op_{op}")(req)
+            if getattr(resp, "lease", 0):
+                owned.add(resp.lease)
             writer.writelines(F.encode_message(resp))
         except KVTierError as exc:
             writer.writelines(F.encode_frame(F.error_response(frame.id, exc, op)))

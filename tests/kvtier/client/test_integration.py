@@ -40,7 +40,9 @@ conn = BlockingConnection.open(parse_address(sys.argv[1]), ClientOptions(), time
 records = prepare_records(NS_ID, make_blocks(2, 1 << 20, tag=b"killed"))
 flow = flows.save_flow(conn.session, NS_ID, records, None, None, 0)
 reserve = next(flow)
-commit = flow.send(conn.call(reserve, time.monotonic() + 10))  # payloads are in the slots now
+ident = conn.send(reserve, time.monotonic() + 10)
+claim = flow.send(1)  # the reserve's ticket: the flow claims its answer next
+commit = flow.send(conn.receive(ident, time.monotonic() + 10))  # payloads are in the slots now
 assert commit.op == "commit"
 print("reserved", flush=True)
 time.sleep(60)

@@ -11,7 +11,7 @@ from kvtier.client import AsyncClient, Client
 from kvtier.client.into import CHUNK, check_buffers, copy_hashed
 from kvtier_protocol.errors import InvalidRequest
 from kvtier_protocol.header import split_record
-from tests.kvtier.client.clientkit import NS_ID, OTHER_NS_ID, key, make_blocks
+from tests.kvtier.client.clientkit import NS_ID, OTHER_NS_ID, eventually, key, make_blocks
 from tests.kvtier.client.peer import Peer
 
 MiB = 1 << 20
@@ -47,7 +47,7 @@ def test_load_into_copies_the_prefix_and_returns_its_headers(peer: Peer, path: s
         got = memoryview(buf).cast("B")
         assert got[:h.payload_len] == payload
         assert set(bytes(got[h.payload_len:])) <= {0xEE}
-    assert not peer.leases
+    assert eventually(lambda: not peer.leases), (peer.ops, peer.leases)
 
 
 @pytest.mark.parametrize("path", ["unix", "tcp"])
@@ -63,7 +63,7 @@ def test_corrupt_or_foreign_block_is_a_miss(peer: Peer, path: str) -> None:
         assert [h.chain_hash for h in kv.load_into(NS_ID, keys, bufs)] == keys[:1]
         assert bufs[0] == split_record(blocks[0][1])[1]
         assert kv.load_into(OTHER_NS_ID, keys, bufs) == []
-    assert not peer.leases
+    assert eventually(lambda: not peer.leases), (peer.ops, peer.leases)
 
 
 @pytest.mark.parametrize("verify", ["auto", "always"])
@@ -83,7 +83,7 @@ def test_a_payload_the_daemon_checked_is_hashed_again_only_when_asked(peer: Peer
         records = kv.load(NS_ID, keys)
     assert len(got) == len(records) == (2 if verify == "auto" else 1)
     assert bufs[0] == split_record(blocks[0][1])[1]
-    assert not peer.leases
+    assert eventually(lambda: not peer.leases), (peer.ops, peer.leases)
 
 
 def test_bad_buffers_are_refused(peer: Peer) -> None:
@@ -106,7 +106,7 @@ def test_bad_buffers_are_refused(peer: Peer) -> None:
                 kv.load_into(NS_ID, keys, [first, small])
             assert first == split_record(blocks[0][1])[1]  # the block before it was copied
             assert small == bytes(100)
-        assert not peer.leases, "the pin is released after the error"
+        assert eventually(lambda: not peer.leases), "the pin is released after the error"
 
 
 async def test_async_load_into(peer: Peer) -> None:
@@ -118,4 +118,4 @@ async def test_async_load_into(peer: Peer) -> None:
         headers = await kv.load_into(NS_ID, keys, bufs)
     assert [h.chain_hash for h in headers] == keys
     assert all(b.tobytes() == split_record(r)[1] for b, (_, r) in zip(bufs, blocks))
-    assert not peer.leases
+    assert eventually(lambda: not peer.leases), (peer.ops, peer.leases)

@@ -19,7 +19,7 @@ def test_defaults() -> None:
 @pytest.mark.parametrize("kwargs", [
     {"timeout_s": 0}, {"timeout_s": -1}, {"timeout_s": math.inf}, {"timeout_s": "5"},
     {"connect_timeout_s": math.nan}, {"retries": -1}, {"retries": 1.5}, {"retries": True},
-    {"holddown_s": -0.1}, {"lease_ms": 0}, {"client_name": ""}, {"token": 5},
+    {"holddown_s": -0.1}, {"lease_ms": 0}, {"client_name": ""}, {"token": 5}, {"pipeline_bytes": -1},
     {"tenant": "t" * 1025},
 ])
 def test_rejected(kwargs: dict) -> None:

@@ -11,7 +11,7 @@ from kvtier.client import NO_HITS, Client, ConnectionLost, LookupResult, TimedOu
 from kvtier_protocol.errors import InvalidKey, InvalidRequest, Truncated, Unauthorized, Unavailable
 from kvtier_protocol.frames import Limits
 from kvtier_protocol.header import decode_header
-from tests.kvtier.client.clientkit import NS_ID, OTHER_NS_ID, key, make_blocks, make_record
+from tests.kvtier.client.clientkit import NS_ID, OTHER_NS_ID, eventually, key, make_blocks, make_record
 from tests.kvtier.client.peer import Peer
 
 MiB = 1 << 20
@@ -34,7 +34,7 @@ def test_save_load_byte_identical(peer: Peer, path: str) -> None:
     used = {"unix": ("reserve", "commit", "acquire", "release"), "tcp": ("put", "get")}[path]
     unused = {"unix": ("put", "get"), "tcp": ("reserve", "commit", "acquire")}[path]
     assert all(peer.ops[op] for op in used) and not any(peer.ops[op] for op in unused)
-    assert not peer.leases, "every reservation was committed and every pin released"
+    assert eventually(lambda: not peer.leases), "every reservation was committed and every pin released"
 
 
 @pytest.mark.parametrize("path", ["unix", "tcp"])
@@ -52,7 +52,7 @@ def test_prefix_semantics_and_batching(make_peer: Callable[..., Peer], path: str
         assert kv.load(NS_ID, keys) == [r for _, r in blocks]
         assert kv.lookup(OTHER_NS_ID, keys) is NO_HITS
     assert peer.ops["lookup"] == 1 + 1 + 3 + 1  # batches of 4, each lookup stops at its first miss
-    assert not peer.leases
+    assert eventually(lambda: not peer.leases)
 
 
 def test_full_is_not_an_error(make_peer: Callable[..., Peer]) -> None:
@@ -62,7 +62,7 @@ def test_full_is_not_an_error(make_peer: Callable[..., Peer]) -> None:
         with Client(addresses(peer)[path]) as kv:
             assert kv.save(NS_ID, blocks) == (["stored", "stored", "full"] if path == "unix"
                                               else ["exists", "exists", "full"])
-    assert not peer.leases
+    assert eventually(lambda: not peer.leases)
 
 
 def test_corrupt_block_is_a_miss_and_the_pin_is_released(peer: Peer) -> None:
@@ -73,7 +73,7 @@ def test_corrupt_block_is_a_miss_and_the_pin_is_released(peer: Peer) -> None:
         _, slot = peer.blocks[(NS_ID, keys[1])]
         peer.mm[slot[1]] ^= 0xFF  # flip one payload byte in shared memory
         assert kv.load(NS_ID, keys) == [blocks[0][1]]
-        assert peer.ops["release"] == 1 and not peer.leases
+        assert eventually(lambda: peer.ops["release"] == 1 and not peer.leases)
     with Client(f"127.0.0.1:{peer.tcp_port}") as kv:
         assert kv.load(NS_ID, keys) == [blocks[0][1]]
 

@@ -2,7 +2,7 @@
 at chosen moments, and watched through /proc for RocksDB's background work.
 
 RocksDB names its background threads ``rocksdb:high`` (memtable flushes) and ``rocksdb:low``
-(compactions, including blob garbage collection); a thread of either name that is running or in
+(compactions of the metadata); a thread of either name that is running or in
 uninterruptible I/O (state R or D in ``/proc/<pid>/task/<tid>/stat``) is doing that job now.
 """
 

@@ -1,7 +1,7 @@
 """Tenant isolation: one store and event hub per tenant, and who may reach which.
 
 Isolation is structural, not a filter: each tenant's blocks live in a
-:class:`~kvtier.store.store.TieredStore` of their own (own shared-memory segments, RocksDB
+:class:`~kvtier.store.store.TieredStore` of their own (own shared-memory segments, disk
 directory, index, policy, leases, capacity). A request is routed to exactly one store, chosen
 from the token it came with, so another tenant's request never reaches it: it cannot read, probe,
 evict or map those blocks (DESIGN.md §4).

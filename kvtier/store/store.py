@@ -5,7 +5,7 @@
     put:  reserve(ns, hashes, sizes) ─► slots ─► client writes host.view(slot) ─► commit(lease, headers)
     get:  lookup(ns, hashes) ─► acquire(ns, hashes) ─► client reads host.view(slot) ─► release(lease)
 
-    tiers:  GPU ──evict──► host (shm) ──evict──► disk (RocksDB)     every move verified by checksum
+    tiers:  GPU ──evict──► host (shm) ──evict──► disk (files + RocksDB meta)   every move verified by checksum
 
 ``reserve(..., tier=Tier.GPU)`` puts into the GPU tier (the client writes ``gpu.tensor(slot)``);
 ``acquire`` serves from host, promoting disk blocks and copying GPU-only blocks down;

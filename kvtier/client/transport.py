@@ -14,11 +14,13 @@ attached to it arrive with its first bytes (SPEC.md §7.4).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import NoReturn
 
 from kvtier_protocol.errors import FrameError, KVTierError
 from kvtier_protocol.frames import (DEFAULT_LIMITS, PREAMBLE_LEN, Buffer, Frame, Limits,
@@ -279,19 +281,13 @@ class BlockingConnection:
             buf[:got] = self._pending[:got]
             del self._pending[:got]
         sock = self._live()
-        with memoryview(buf) as view:
-            try:
-                while got < n:
-                    sock.settimeout(remaining_s(deadline, "receive"))
-                    k = sock.recv_into(view[got:])
-                    if not k:
-                        where = "between frames" if at_frame_start and not got else "inside a frame"
-                        raise ConnectionLost(f"daemon at {self._address} closed the connection {where}")
-                    got += k
-            except TimeoutError as exc:
-                raise TimedOut(f"no answer from {self._address} in time") from exc
-            except OSError as exc:
-                raise ConnectionLost(f"connection to {self._address} broke: {exc}") from exc
+        with memoryview(buf) as view, self._receive_errors():
+            while got < n:
+                sock.settimeout(remaining_s(deadline, "receive"))
+                k = sock.recv_into(view[got:])
+                if not k:
+                    self._closed_by_daemon(at_frame_start and not got)
+                got += k
         return buf
 
     def _fill(self, n: int, deadline: float, *, at_frame_start: bool = False) -> None:
@@ -303,18 +299,27 @@ class BlockingConnection:
             return
         self.flush(deadline)  # never wait for an answer to a request still held back
         sock = self._live()
-        try:
+        with self._receive_errors():
             while len(pending) < n:
                 sock.settimeout(remaining_s(deadline, "receive"))
                 data = sock.recv(max(n - len(pending), _READ_AHEAD))
                 if not data:
-                    where = "between frames" if at_frame_start and not pending else "inside a frame"
-                    raise ConnectionLost(f"daemon at {self._address} closed the connection {where}")
+                    self._closed_by_daemon(at_frame_start and not pending)
                 pending += data
+
+    @contextlib.contextmanager
+    def _receive_errors(self) -> Iterator[None]:
+        """A socket timeout or error while receiving, as the client's typed errors."""
+        try:
+            yield
         except TimeoutError as exc:
             raise TimedOut(f"no answer from {self._address} in time") from exc
         except OSError as exc:
             raise ConnectionLost(f"connection to {self._address} broke: {exc}") from exc
+
+    def _closed_by_daemon(self, between_frames: bool) -> NoReturn:
+        where = "between frames" if between_frames else "inside a frame"
+        raise ConnectionLost(f"daemon at {self._address} closed the connection {where}")
 
     def _recv_frame(self, limits: Limits, deadline: float) -> Frame:
         self._fill(PREAMBLE_LEN, deadline, at_frame_start=True)

@@ -124,27 +124,30 @@ class BlockFiles:
                 if payload is not None:
                     written.append((i, self.write(header, payload, nbytes)))
             return
+        give_back = release
         inflight: tuple[int, Future[int], memoryview] | None = None
+
+        def settle() -> None:
+            """Wait for the write in flight, cleared first: a failed one is not waited for twice."""
+            nonlocal inflight
+            assert inflight is not None, "called with a write in flight"
+            j, job, done = inflight
+            inflight = None
+            try:
+                written.append((j, job.result()))
+            finally:
+                give_back(done)
+
         try:
             for i, (header, nbytes) in enumerate(files):
                 payload = payload_of(i)  # while the previous write runs
                 if inflight is not None:
-                    j, job, done = inflight
-                    inflight = None
-                    try:
-                        written.append((j, job.result()))
-                    finally:
-                        release(done)
+                    settle()
                 if payload is not None:
                     assert isinstance(payload, memoryview), "released payloads are pool views"
                     inflight = (i, self._writer.submit(self.write, header, payload, nbytes), payload)
             if inflight is not None:
-                j, job, done = inflight
-                inflight = None
-                try:
-                    written.append((j, job.result()))
-                finally:
-                    release(done)
+                settle()
         except BaseException:
             if inflight is not None:  # a write must not outlive the call: wait for it, keep its file
                 j, job, done = inflight

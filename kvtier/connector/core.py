@@ -172,7 +172,8 @@ class KVConnectorCore:
             LayoutError: an unknown layout, or one of the other attention kind.
         """
         layout = layout or ("mla-latent" if self.ns.attention == "mla" else "canonical")
-        return self._transfer.fetch(check_hashes(hashes), layout, expected_shape(self.ns, layout), device)
+        expected_shape(self.ns, layout)  # LayoutError for an unknown layout or one of the other attention kind
+        return self._transfer.fetch(check_hashes(hashes), layout, device)
 
     def fetch_into(self, hashes: Sequence[bytes], out: torch.Tensor, *, layout: str | None = None) -> int:
         """The stored prefix of ``hashes`` written into ``out[i]``, block ``i`` in ``layout``.

@@ -9,7 +9,7 @@ never reads wrong KV.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -109,23 +109,15 @@ class Transfer:
         self.stats.add(loaded_blocks=loaded)
         return loaded, error
 
-    def fetch(self, hashes: list[bytes], layout: str, shape: tuple[int, ...], device: Any) -> list[torch.Tensor]:
+    def fetch(self, hashes: list[bytes], layout: str, device: Any) -> list[torch.Tensor]:
         """Decoded blocks of the stored prefix of ``hashes`` in ``layout``, up to the first miss or bad block."""
-        dtype = kv_dtype(self.ns)
         out: list[torch.Tensor] = []
-        for lo in range(0, len(hashes), self.batch_blocks):
-            chunk = hashes[lo:lo + self.batch_blocks]
-            records, error = self._records(chunk)
-            groups, bad, why = decode_stacked(self.ns, list(enumerate(records)), dtype, device)
-            got: list[torch.Tensor | None] = [None] * (len(records) if bad is None else bad)
-            for src, (at, blocks) in groups.items():
-                for i, block in zip(at, convert_many(blocks, src, layout).unbind(0)):
-                    got[i] = block
-            out.extend(got)  # type: ignore[arg-type]  # every slot before ``bad`` is filled
-            if bad is not None:
-                error = _bad_block(lo + bad, why)
-            if error is not None or len(records) < len(chunk):
-                break
+        for groups, count in self._decoded(hashes, layout, device, contiguous=True):
+            got: list[torch.Tensor | None] = [None] * count
+            for at, blocks in groups:
+                for i, block in zip(at, blocks.unbind(0)):
+                    got[i - len(out)] = block
+            out.extend(got)  # type: ignore[arg-type]  # every position of the batch's prefix is filled
         self.stats.add(loaded_blocks=len(out))
         return out
 
@@ -159,13 +151,33 @@ class Transfer:
                 done += 1
             if foreign or done < hi:
                 break
-        self.stats.add(loaded_blocks=done)
         if foreign:
-            rest = self.fetch(hashes[done:], layout, shape, "cpu")
-            for i, block in enumerate(rest):
-                out[done + i].copy_(block)
-            done += len(rest)
+            start = done
+            for groups, count in self._decoded(hashes[start:], layout, "cpu", contiguous=False):
+                for at, blocks in groups:  # one strided copy per stored layout
+                    out.index_copy_(0, torch.tensor(at) + start, blocks)
+                done += count
+        self.stats.add(loaded_blocks=done)
         return done
+
+    def _decoded(self, hashes: list[bytes], layout: str, device: Any, *,
+                 contiguous: bool) -> Iterator[tuple[list[tuple[list[int], torch.Tensor]], int]]:
+        """Per batch of the stored prefix of ``hashes``: its blocks decoded and converted to
+        ``layout``, as ``(positions in hashes, blocks [n, *block])`` per stored layout, and how
+        many blocks the batch adds (consecutive). Ends after a miss, a failed call or a bad block."""
+        dtype = kv_dtype(self.ns)
+        for lo in range(0, len(hashes), self.batch_blocks):
+            chunk = hashes[lo:lo + self.batch_blocks]
+            records, error = self._records(chunk)
+            groups, bad, why = decode_stacked(self.ns, list(enumerate(records, lo)), dtype, device)
+            converted = [(at, convert_many(blocks, src, layout, contiguous=contiguous))
+                         for src, (at, blocks) in groups.items()]
+            yield converted, len(records) if bad is None else bad - lo
+            if bad is not None:
+                _bad_block(bad, why)
+                return
+            if error is not None or len(records) < len(chunk):
+                return
 
     def put(self, hashes: list[bytes], blocks_of: BlocksOf, layout: str, token_ids: Sequence[int] | None,
             parent: bytes | None, priority: int) -> Outcome:

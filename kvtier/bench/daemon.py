@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import kvtier
@@ -74,6 +76,20 @@ class BenchDaemon:
             time.sleep(0.05)
         self.stop()
         raise RuntimeError(f"the daemon was not ready within {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    @contextmanager
+    def running(self) -> Iterator[BenchDaemon]:
+        """Start it for the ``with`` block. A failure inside is reported with the tail of the
+        daemon's log; the daemon is stopped and ``work`` removed however the block ends."""
+        try:
+            self.start()
+            yield self
+        except Exception:
+            progress(f"{self.suite}: failed; the daemon's log ends with:\n{self.log_tail()}")
+            raise
+        finally:
+            self.stop()
+            shutil.rmtree(self.work, ignore_errors=True)
 
     def token(self) -> str:
         """The token the daemon generated into its data dir (needed over TCP)."""

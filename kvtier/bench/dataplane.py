@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import random
-import shutil
 import tempfile
 import time
 from collections.abc import Callable
@@ -89,8 +88,7 @@ def run(args: argparse.Namespace) -> SuiteResult:
     # blocks: nothing is ever evicted, so no row touches the disk tier.
     host_bytes = 2 * ws + max(sizes) + args.lookup_keys * (LOOKUP_PAYLOAD + 4096) + 64 * MIB
     daemon = _daemon(work, host_bytes, args.daemon_profile)
-    try:
-        daemon.start()
+    with daemon.running():
         pipe = {} if args.pipeline_mib is None else {"pipeline_bytes": int(args.pipeline_mib * MIB)}
         with Client.connect(f"unix:{daemon.socket}", timeout_s=60.0, **pipe) as shm, \
                 Client.connect(daemon.tcp, token=daemon.token(), timeout_s=60.0) as tcp:
@@ -98,12 +96,6 @@ def run(args: argparse.Namespace) -> SuiteResult:
             for nbytes in sizes:
                 result.rows += _block_rows(shm, tcp, nbytes, ws, batch, reps, args.memcpy_threads)
             result.rows += _lookup_rows(shm, tcp, args.lookup_keys, calls, reps)
-    except Exception:
-        progress(f"dataplane: failed; the daemon's log ends with:\n{daemon.log_tail()}")
-        raise
-    finally:
-        daemon.stop()
-        shutil.rmtree(work, ignore_errors=True)
     return result
 
 

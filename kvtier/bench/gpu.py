@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -170,8 +169,7 @@ def _connector_rows(ns: Namespace, device: torch.device, blocks: int, reps: int,
     work = Path(tempfile.mkdtemp(prefix="kvtier-bench-gpu-", dir=work_dir))
     daemon = BenchDaemon(work, ["--rest", "off", "--host-bytes", str(2 * total + 64 * MIB),
                                 "--disk-bytes", str(64 * MIB)], suite="gpu")
-    try:
-        daemon.start()
+    with daemon.running():
         with Client.connect(daemon.address, timeout_s=60.0) as client:
             core = KVConnectorCore(ns, client=client, page_layout=PAGE_LAYOUT, timeout_s=60.0)
             try:
@@ -179,12 +177,6 @@ def _connector_rows(ns: Namespace, device: torch.device, blocks: int, reps: int,
                 return _connector_measure(core, client, ns, hashes, pages, caches, host, back, dev, reps)
             finally:
                 core.close()
-    except Exception:
-        progress(f"gpu: failed; the daemon's log ends with:\n{daemon.log_tail()}")
-        raise
-    finally:
-        daemon.stop()
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def _connector_measure(core: KVConnectorCore, client: Client, ns: Namespace, hashes: list[bytes], pages: list[int],

@@ -34,7 +34,6 @@ import argparse
 import gc
 import hashlib
 import random
-import shutil
 import sys
 import tempfile
 import tracemalloc
@@ -128,8 +127,7 @@ def _daemon_rows(prompts: list[int], block_tokens: int, calls: int, reps: int, w
     daemon = BenchDaemon(work, ["--rest", "off", "--host-bytes", str(host_bytes), "--disk-bytes", str(64 * MIB)],
                          suite="lookup")
     rows: list[Row] = []
-    try:
-        daemon.start()
+    with daemon.running():
         with Client.connect(daemon.address, timeout_s=60.0) as client:
             payload = bytes(DAEMON_PAYLOAD)
             for i in range(0, len(hashes), 256):
@@ -143,12 +141,6 @@ def _daemon_rows(prompts: list[int], block_tokens: int, calls: int, reps: int, w
                 progress(f"lookup: daemon, {label(tokens)}-token prompt ({len(keys)} keys), {calls} calls x {reps}")
                 rows += ping_latency_rows(f"daemon lookup {label(tokens)} tokens ({len(keys)} keys), unix socket",
                                       lambda k=keys: client.lookup(NS, k, degrade=False), client.ping, calls, reps)
-    except Exception:
-        progress(f"lookup: failed; the daemon's log ends with:\n{daemon.log_tail()}")
-        raise
-    finally:
-        daemon.stop()
-        shutil.rmtree(work, ignore_errors=True)
     return rows
 
 

@@ -255,13 +255,16 @@ def test_a_repeated_signal_within_the_debounce_still_drains(tmp_path: Path, daem
 
 
 def test_a_second_sigint_cuts_the_shutdown_short(tmp_path: Path, daemons: list[Kvtierd]) -> None:
-    d = Kvtierd(tmp_path, "--listen", "127.0.0.1:0", "--host-bytes", "192MiB", "--disk-bytes", "512MiB")
+    d = Kvtierd(tmp_path, "--listen", "127.0.0.1:0", "--host-bytes", "384MiB", "--disk-bytes", "1GiB")
     daemons.append(d)
     d.wait_for("kvtierd ready in")
     client = FrameClient(d.endpoint("tcp:"), token_of(d))
-    blocks = dict(record(100 + i, 4 << 20) for i in range(40))  # 160 MiB to write to disk at shutdown
-    for i in range(0, 40, 10):
-        assert client.put(dict(list(blocks.items())[i:i + 10])) == ["stored"] * 10
+    # 300 MiB in 1200 blocks to write to disk at shutdown: one new file each, so the flush lasts
+    # well past the second signal (160 MiB in 40 large files flushed in under 0.6 s with direct I/O)
+    blocks = dict(record(100 + i, 256 << 10) for i in range(1200))
+    items = list(blocks.items())
+    for i in range(0, len(items), 50):
+        assert client.put(dict(items[i:i + 50])) == ["stored"] * 50
     client.close()
     d.proc.send_signal(signal.SIGINT)
     d.wait_for("kvtierd stopping")
@@ -277,8 +280,9 @@ def test_a_second_sigint_cuts_the_shutdown_short(tmp_path: Path, daemons: list[K
     daemons.append(again)
     again.wait_for("kvtierd ready in")
     client = FrameClient(again.endpoint("tcp:"), token_of(again))
-    got = client.get(list(blocks))
-    assert all(g is None or g == blocks[k] for k, g in zip(blocks, got)), "a block came back corrupt"
+    keys = list(blocks)
+    got = [g for i in range(0, len(keys), 100) for g in client.get(keys[i:i + 100])]
+    assert all(g is None or g == blocks[k] for k, g in zip(keys, got)), "a block came back corrupt"
     client.close()
     assert again.stop() == 0
 

@@ -33,6 +33,7 @@ from kvtier_protocol.dtypes import check_dtype, dtype_size
 from kvtier_protocol.errors import (BadMagic, ChecksumMismatch, HeaderError, LayoutError,
                                     LimitExceeded, ProtocolError, Truncated,
                                     UnsupportedVersion)
+from kvtier_protocol.header_templates import ABSENT, TemplateCache
 from kvtier_protocol.layouts import get_layout
 from kvtier_protocol.quant import QuantParams
 
@@ -409,24 +410,59 @@ def decode_header(buf: bytes | bytearray | memoryview, *,
     expected = PREAMBLE.unpack_from(view)[4]
     if xxhash.xxh3_64_intdigest(body) != expected:
         raise ChecksumMismatch("header map bytes do not match the preamble's xxh3-64")
-    h = _from_map(_unpack(body), max_payload_len)
-    if h.decoded_len > max_payload_len:
-        raise LimitExceeded(f"decoded tensor of {h.decoded_len} bytes > limit {max_payload_len}")
-    # Wholly immutable, so safe to hand to every caller: ns_fields is a read-only view, kept only
-    # when its values are scalars (what Namespace.to_wire() writes; the connectors' headers all
-    # carry it, and they are the blocks loaded again and again).
-    if not h.extra and (h.ns_fields is None or all(type(v) in _SCALARS for v in h.ns_fields.values())):
+    raw = key[0][PREAMBLE_LEN:]
+    hit = _TEMPLATES.match(raw, max_payload_len)
+    if hit is not None:
+        h = _specialize(*hit)
+    else:
+        h = _from_map(_unpack(body), max_payload_len)
+        if h.decoded_len > max_payload_len:
+            raise LimitExceeded(f"decoded tensor of {h.decoded_len} bytes > limit {max_payload_len}")
+        if _memoisable(h):
+            _TEMPLATES.learn(raw, max_payload_len, h)
+    if _memoisable(h):
         if len(_DECODED) >= _MAX_DECODED:
             _DECODED.clear()
         _DECODED[key] = h
     return h, end
 
 
+def _memoisable(h: BlockHeader) -> bool:
+    """Wholly immutable, so safe to hand to every caller: ns_fields is a read-only view, kept only
+    when its values are scalars (what Namespace.to_wire() writes; the connectors' headers all
+    carry it, and they are the blocks loaded again and again)."""
+    return not h.extra and (h.ns_fields is None or all(type(v) in _SCALARS for v in h.ns_fields.values()))
+
+
+def _specialize(template: BlockHeader, values: dict[str, Any]) -> BlockHeader:
+    """``template`` with the varying values of a header that matched it
+    (:mod:`kvtier_protocol.header_templates`): built field by field, since the template vouches for
+    every other field and the matcher checked these (``BlockHeader()`` would validate it all again)."""
+    h = object.__new__(BlockHeader)
+    for name, set_slot in _TEMPLATE_SLOTS:
+        set_slot(h, getattr(template, name))
+    _SET_CHAIN(h, values["hash"])
+    _SET_PARENT(h, values["parent"])
+    _SET_CSUM(h, values["csum"])
+    created = values["created"]
+    _SET_CREATED(h, None if created is ABSENT else created)
+    return h
+
+
+_SLOT = {name: BlockHeader.__dict__[name].__set__ for name in BlockHeader.__slots__}
+"""The slots' own setters: they store a value without the frozen dataclass's ``__setattr__``."""
+_SET_CHAIN, _SET_PARENT, _SET_CSUM, _SET_CREATED = (
+    _SLOT[n] for n in ("chain_hash", "parent_hash", "checksum", "created_ms"))
+_TEMPLATE_SLOTS = tuple((n, f) for n, f in _SLOT.items()
+                        if n not in ("chain_hash", "parent_hash", "checksum", "created_ms"))
+assert set(BlockHeader.__slots__) == set(BlockHeader.__dataclass_fields__), "BlockHeader is a slots dataclass"
 _DECODED: dict[tuple[bytes, int], BlockHeader] = {}
 """Headers decoded and validated before, by their exact bytes (preamble included, so its xxh3 too)
 and payload limit: the result is a function of those alone, and a hot prefix's blocks are loaded
 again and again (each decode costs tens of µs of validation, ~10 % of a 2 MiB block's copy)."""
 _MAX_DECODED = 8192
+_TEMPLATES: TemplateCache[BlockHeader] = TemplateCache(MIN_HASH_LEN, MAX_HASH_LEN)
+"""Validated headers as byte templates of the headers of the same stream (header_templates)."""
 _SCALARS = frozenset({str, int, float, bool, bytes, type(None)})
 
 

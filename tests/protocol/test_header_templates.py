@@ -1,0 +1,216 @@
+"""Header templates: a header decoded by matching a template is exactly the header a full decode
+gives, and anything a template cannot vouch for is decoded (and refused) in full."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import msgpack
+import pytest
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtier_protocol import header as H
+from kvtier_protocol.errors import KVTierError
+from kvtier_protocol.header import PREAMBLE, PREAMBLE_LEN, BlockHeader, Section, decode_header, encode_header
+from kvtier_protocol.header_templates import ABSENT, TemplateCache
+from kvtier_protocol.quant import QuantParams
+
+NS = bytes(range(16))
+
+
+def header(i: int = 0, **changes) -> BlockHeader:
+    fields = dict(ns_id=NS, chain_hash=i.to_bytes(32, "big"), parent_hash=(i + 1).to_bytes(32, "big"),
+                  num_tokens=16, layout="canonical", shape=(2, 2, 2, 16, 8), dtype="bfloat16", codec="raw",
+                  sections=(Section("payload", 0, 2048),), payload_len=2048, checksum=1000 + i)
+    return BlockHeader(**{**fields, **changes})
+
+
+def wrap(body: bytes) -> bytes:
+    return PREAMBLE.pack(b"KVT1", 1, 0, len(body), xxhash.xxh3_64_intdigest(body)) + body
+
+
+@pytest.fixture(autouse=True)
+def fresh_memos():
+    """Every test starts with no memo and no template, and leaves none behind."""
+    H._DECODED.clear()
+    H._TEMPLATES.clear()
+    yield
+    H._DECODED.clear()
+    H._TEMPLATES.clear()
+
+
+def full_decode(buf: bytes, **limits) -> BlockHeader | type:
+    """What decode_header says with no memo and no template: the header, or the error's type."""
+    saved = dict(H._DECODED), H._TEMPLATES
+    H._DECODED.clear()
+    H._TEMPLATES = TemplateCache(H.MIN_HASH_LEN, H.MAX_HASH_LEN)
+    try:
+        return decode_header(buf, **limits)[0]
+    except KVTierError as e:
+        return type(e)
+    finally:
+        H._DECODED.clear()
+        H._DECODED.update(saved[0])
+        H._TEMPLATES = saved[1]
+
+
+def fast_decode(buf: bytes, **limits) -> BlockHeader | type:
+    """What decode_header says with the templates learnt so far (and no exact-bytes memo)."""
+    H._DECODED.clear()
+    try:
+        return decode_header(buf, **limits)[0]
+    except KVTierError as e:
+        return type(e)
+
+
+def test_a_stream_of_headers_after_the_first_is_decoded_by_template():
+    first = encode_header(header(0))
+    full_decode(first)  # learns nothing: the full decode above runs on a private cache
+    assert len(H._TEMPLATES) == 0
+    assert fast_decode(first) == header(0)
+    assert len(H._TEMPLATES) == 1, "the first full decode of a canonical header leaves a template"
+    for i, h in enumerate([header(1), header(2, parent_hash=None), header(3, checksum=(1 << 64) - 1),
+                           header(4, checksum=0), header(5, chain_hash=b"\x07" * 8, parent_hash=b"\x08" * 64)]):
+        buf = encode_header(h)
+        H._DECODED.clear()
+        assert H._TEMPLATES.match(buf[PREAMBLE_LEN:], H.DEFAULT_MAX_PAYLOAD_LEN) is not None, i
+        got = fast_decode(buf)
+        assert got == h and got == full_decode(buf)
+        assert type(got.checksum) is int and type(got.num_tokens) is int and all(type(v) is int for v in got.shape)
+    assert len(H._TEMPLATES) == 1, "one stream, one template"
+
+
+def test_templates_are_per_geometry_namespace_and_limit():
+    for h in (header(0), header(1, shape=(2, 2, 2, 16, 4), sections=(Section("payload", 0, 1024),),
+                                 payload_len=1024),
+              header(2, ns_id=bytes(16))):
+        fast_decode(encode_header(h))
+    assert len(H._TEMPLATES) == 3
+    assert fast_decode(encode_header(header(9)), max_payload_len=1024) is H.LimitExceeded
+    assert fast_decode(encode_header(header(9, shape=(2, 2, 2, 16, 4), sections=(Section("payload", 0, 1024),),
+                                            payload_len=1024)), max_payload_len=1024).payload_len == 1024
+
+
+def test_created_and_quant_and_ns_fields_headers_match_their_own_templates():
+    q = QuantParams(bits=8)
+    kinds = [dict(created_ms=1_700_000_000_000), dict(ns_fields={"model": "m", "block_tokens": 16}),
+             dict(codec="int8", quant=q, sections=(Section("data", 0, 1024), Section("scales", 1024, 64)),
+                  payload_len=1088)]
+    for kind in kinds:
+        for i in range(3):
+            h = header(i, **kind)
+            if "created_ms" in kind:
+                h = replace(h, created_ms=kind["created_ms"] + i)
+            buf = encode_header(h)
+            got = fast_decode(buf)
+            assert got == h == full_decode(buf)
+
+
+def test_a_header_with_created_does_not_match_a_template_without_it():
+    fast_decode(encode_header(header(0)))
+    buf = encode_header(header(1, created_ms=5))
+    assert H._TEMPLATES.match(buf[PREAMBLE_LEN:], H.DEFAULT_MAX_PAYLOAD_LEN) is None
+    assert fast_decode(buf) == header(1, created_ms=5)
+
+
+def _canonical_body(m: dict) -> bytes:
+    return msgpack.packb(m, use_bin_type=True)
+
+
+def _map(h: BlockHeader) -> dict:
+    return msgpack.unpackb(encode_header(h)[PREAMBLE_LEN:], raw=False)
+
+
+@pytest.mark.parametrize("change", [
+    {"tokens": 16.0},                      # 16 == 16.0 in Python; a template must never say so
+    {"tokens": True},
+    {"csum": -1},
+    {"csum": 1.5},
+    {"csum": True},
+    {"hash": b"\x01" * 7},                 # too short
+    {"hash": "a-string"},
+    {"parent": b"\x01" * 65},              # too long
+    {"parent": 0},
+    {"created": -5},
+    {"created": "yesterday"},
+    {"shape": [2, 2, 2, 16, 8.0]},
+])
+def test_a_varying_or_retyped_value_is_judged_as_the_full_decode_judges_it(change):
+    fast_decode(encode_header(header(0)))
+    m = _map(header(1))
+    m.update(change)
+    buf = wrap(_canonical_body(m))
+    assert fast_decode(buf) == full_decode(buf)
+    assert isinstance(fast_decode(buf), type), "every one of these headers is invalid"
+
+
+def test_duplicate_keys_and_non_canonical_encodings_never_match():
+    fast_decode(encode_header(header(0)))
+    body = encode_header(header(1))[PREAMBLE_LEN:]
+    # a second "csum" key appended: a map of one more entry (fixmap 0x8d -> 0x8e)
+    dup = bytes([body[0] + 1]) + body[1:] + msgpack.packb("csum") + msgpack.packb(5)
+    assert fast_decode(wrap(dup)) is H.HeaderError is full_decode(wrap(dup))
+    # the checksum written as a non-minimal uint64: valid msgpack, decoded in full, same header
+    h = header(2, checksum=7)
+    canon = encode_header(h)[PREAMBLE_LEN:]
+    wide = canon.replace(msgpack.packb("csum") + b"\x07", msgpack.packb("csum") + b"\xcf" + (7).to_bytes(8, "big"))
+    assert wide != canon
+    assert fast_decode(wrap(wide)) == h == full_decode(wrap(wide))
+
+
+def test_learn_refuses_what_cannot_be_a_template():
+    cache: TemplateCache[str] = TemplateCache(8, 64)
+    body = encode_header(header(0))[PREAMBLE_LEN:]
+    assert cache.learn(body, 100, "h")
+    assert cache.match(body, 100) == ("h", {"hash": header(0).chain_hash, "parent": header(0).parent_hash,
+                                           "csum": 1000, "created": ABSENT})
+    assert cache.match(body, 101) is None, "another payload limit is another template"
+    m = _map(header(0))
+    wide = body.replace(msgpack.packb("csum") + msgpack.packb(1000),
+                        msgpack.packb("csum") + b"\xcf" + (1000).to_bytes(8, "big"))
+    assert not cache.learn(wide, 100, "w"), "not canonical"
+    hash_first = _canonical_body({"hash": m.pop("hash"), **m})
+    assert not cache.learn(hash_first, 100, "f"), "a varying key among the prefix bytes"
+    assert not cache.learn(b"\xc1", 100, "x") and not cache.learn(msgpack.packb([1, 2]), 100, "x")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_fuzz_a_mutated_header_is_judged_as_the_full_decode_judges_it(data):
+    """Differential: flip, insert or drop bytes of a stream header's map (the preamble's xxh3 fixed
+    up, so the map itself is what is judged); with a template in place the answer is the same."""
+    H._DECODED.clear()
+    H._TEMPLATES.clear()
+    fast_decode(encode_header(header(0, created_ms=1)))
+    body = bytearray(encode_header(header(data.draw(st.integers(1, 1 << 20)), created_ms=2))[PREAMBLE_LEN:])
+    for _ in range(data.draw(st.integers(1, 3))):
+        pos = data.draw(st.integers(0, len(body) - 1))
+        op = data.draw(st.sampled_from(["flip", "set", "insert", "drop"]))
+        if op == "flip":
+            body[pos] ^= 1 << data.draw(st.integers(0, 7))
+        elif op == "set":
+            body[pos] = data.draw(st.integers(0, 255))
+        elif op == "insert":
+            body.insert(pos, data.draw(st.integers(0, 255)))
+        elif len(body) > 1:
+            del body[pos]
+    buf = wrap(bytes(body))
+    assert fast_decode(buf) == full_decode(buf)
+
+
+def test_fuzz_varying_values_of_every_encoding():
+    """Every msgpack width of csum and created, nil and bin parents: template answers equal full ones."""
+    rng = random.Random(7)
+    fast_decode(encode_header(header(0, created_ms=0)))
+    for _ in range(500):
+        csum = rng.choice([0, 127, 128, 255, 256, 65535, 65536, (1 << 32) - 1, 1 << 32, (1 << 64) - 1,
+                           rng.randrange(1 << 64)])
+        created = rng.choice([0, 127, 1 << 40, (1 << 64) - 1])
+        parent = rng.choice([None, rng.randbytes(rng.randint(8, 64))])
+        h = header(rng.randrange(1 << 30), checksum=csum, created_ms=created, parent_hash=parent,
+                   chain_hash=rng.randbytes(rng.randint(8, 64)))
+        buf = encode_header(h)
+        assert fast_decode(buf) == h == full_decode(buf)

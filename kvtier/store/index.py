@@ -26,6 +26,8 @@ TIERS = (Tier.GPU, Tier.HOST, Tier.DISK)
 """Tiers the index accounts for, fastest first (REMOTE is not local bookkeeping)."""
 _GPU, _HOST, _DISK = TIERS
 _GPU_NAME, _HOST_NAME, _DISK_NAME = (TIER_WIRE_NAMES[t] for t in TIERS)
+_GPU_BIT, _HOST_BIT, _DISK_BIT = 1, 2, 4
+_QUEUE_BITS = {_GPU: _GPU_BIT, _HOST: _HOST_BIT, _DISK: _DISK_BIT}
 
 
 class BlockState(enum.Enum):
@@ -55,6 +57,7 @@ class BlockMeta:
     leases: int = 0  # open leases on the block; > 0 pins its memory copies
     moving: bool = False  # a transactional move is in flight; not a victim meanwhile
     linked: bool = False  # reachable by key (False: deleted while leased, or never added)
+    queued: int = 0  # the LRU queues holding it, as bits (_QUEUE_BITS); BlockIndex._refresh's own
 
     @property
     def ns_id(self) -> bytes:
@@ -120,6 +123,7 @@ class BlockIndex:
         # Queues hold the BlockMeta objects themselves (identity-hashed, eq=False): an unlinked block
         # and a newer block with the same key never collide.
         self._lru: dict[Tier, PriorityLru[BlockMeta]] = {t: PriorityLru(num_classes) for t in TIERS}
+        self._queues = tuple((_QUEUE_BITS[t], self._lru[t]) for t in TIERS)
 
     # --- lookup ------------------------------------------------------------------------------
 
@@ -179,7 +183,8 @@ class BlockIndex:
     def add(self, meta: BlockMeta) -> None:
         """Link a new block (pending or committed, in no tier yet)."""
         assert meta.key not in self._blocks, "key already indexed"
-        assert not meta.tiers and not meta.linked, "add() takes a fresh block"
+        assert (meta.host_slot is None and meta.gpu_slot is None and not meta.on_disk
+                and not meta.linked), "add() takes a fresh block"
         assert 0 <= meta.priority < self.num_classes, "priority out of range"
         self._blocks[meta.key] = meta
         self._by_ns.setdefault(meta.ns_id, set()).add(meta.key)
@@ -273,6 +278,7 @@ class BlockIndex:
         assert 0 <= priority < self.num_classes, "priority validated by the caller"
         for tier in TIERS:
             self._lru[tier].remove(meta, meta.priority)
+        meta.queued = 0
         meta.priority = priority
         self._refresh(meta)
 
@@ -307,22 +313,31 @@ class BlockIndex:
     def _refresh(self, meta: BlockMeta) -> None:
         """Bring LRU membership of ``meta`` in line with :meth:`evictable` (new entries go MRU).
 
-        :meth:`evictable` for the three tiers, unrolled: this runs several times per block on
-        every put and get (lease, commit, unlease), where the generic loop was a visible share
-        of the daemon's per-block cost.
+        :meth:`evictable` for the three tiers, unrolled, against the membership ``meta.queued``
+        records: this runs several times per block on every put and get (lease, commit,
+        unlease), and most calls change nothing (a pending block stays out of every queue, a
+        leased one too), so they cost a few attribute reads instead of three queue probes.
         """
-        movable = meta.linked and meta.state is BlockState.COMMITTED and not meta.moving
-        unpinned = movable and meta.leases == 0
+        wanted = 0
+        if meta.linked and meta.state is BlockState.COMMITTED and not meta.moving:
+            if meta.on_disk:
+                wanted = _DISK_BIT
+            if meta.leases == 0:
+                if meta.host_slot is not None:
+                    wanted |= _HOST_BIT
+                if meta.gpu_slot is not None:
+                    wanted |= _GPU_BIT
+        changed = wanted ^ meta.queued
+        if not changed:
+            return
         priority = meta.priority
-        lru = self._lru
-        for queue, wanted in ((lru[_GPU], unpinned and meta.gpu_slot is not None),
-                              (lru[_HOST], unpinned and meta.host_slot is not None),
-                              (lru[_DISK], movable and meta.on_disk)):
-            if wanted:
-                if not queue.contains(meta, priority):
+        for bit, queue in self._queues:
+            if changed & bit:
+                if wanted & bit:
                     queue.push(meta, priority)
-            else:
-                queue.remove(meta, priority)
+                else:
+                    queue.remove(meta, priority)
+        meta.queued = wanted
 
     # --- audit -------------------------------------------------------------------------------
 
@@ -336,12 +351,16 @@ class BlockIndex:
         used = {t: 0 for t in TIERS}
         count = {t: 0 for t in TIERS}
         pending = 0
+        errors = []
         for meta in [*self._blocks.values(), *extra]:
             pending += meta.linked and not meta.committed
             for tier in meta.tiers:
                 used[tier] += meta.charge(tier)
                 count[tier] += 1
-        errors = []
+            queued = sum(bit for bit, queue in self._queues if queue.contains(meta, meta.priority))
+            if queued != meta.queued:
+                errors.append(f"block {meta.chain_hash.hex()[:16]}: in LRU queues {queued:03b}, "
+                              f"its record says {meta.queued:03b}")
         for tier in TIERS:
             if used[tier] != self.used[tier] or count[tier] != self.count[tier]:
                 errors.append(f"{tier.name}: index says {self.used[tier]} B / {self.count[tier]} blocks, "

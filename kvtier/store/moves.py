@@ -29,7 +29,7 @@ from kvtier.store.index import BlockIndex, BlockMeta
 from kvtier.store.policy import AdmissionFilter
 from kvtier.store.stats import EventKind, EventLog, StoreCounters, StoreEvent
 from kvtier.store.transfers import gpu_snapshot_verified, gpu_to_host, snapshot_verified
-from kvtier.store.types import BlockKey, Slot, Tier
+from kvtier.store.types import BlockKey, Slot, Tier, split_key
 
 if TYPE_CHECKING:
     from kvtier.store.gpu import GpuTier
@@ -62,7 +62,8 @@ class Mover:
 
     def emit(self, kind: EventKind, tier: Tier, meta: BlockMeta) -> None:
         if self.events.enabled:
-            self.events.append(StoreEvent(kind, tier, meta.ns_id, meta.chain_hash, meta.parent_hash, meta.num_tokens))
+            ns_id, chain_hash = split_key(meta.key)
+            self.events.append(StoreEvent(kind, tier, ns_id, chain_hash, meta.parent_hash, meta.num_tokens))
 
     def memory(self, tier: Tier) -> HostTier | GpuTier:
         """The slot pool of a memory tier (GPU or host)."""

@@ -20,6 +20,7 @@ from kvtier.store.index import BlockMeta
 from kvtier.store.types import NS_ID_LEN, BlockKey, make_key
 
 _BYTES = frozenset((bytes,))
+_INTS = frozenset((int,))
 
 
 def check_keys(cfg: StoreConfig, ns_id: bytes, hashes: Sequence[bytes]) -> list[BlockKey]:
@@ -80,7 +81,9 @@ def check_sizes(cfg: StoreConfig, sizes: Sequence[int], num_keys: int, host_fits
     """
     if len(sizes) != num_keys:
         raise InvalidRequest(f"{num_keys} keys but {len(sizes)} sizes")
-    for size in sizes:
+    # Each distinct size once (a batch's blocks share one or two); bools are not sizes, and a
+    # set would fold True into 1, so a batch with any non-int falls back to every entry.
+    for size in set(sizes) if set(map(type, sizes)) <= _INTS else sizes:
         if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
             raise InvalidRequest(f"block sizes must be positive integers, got {size!r}")
         if size > cfg.host_bytes or not host_fits(size):

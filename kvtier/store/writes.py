@@ -48,22 +48,28 @@ class BlockWriter:
         status: list[PutStatus] = []
         blocks: list[BlockMeta | None] = []
         full = False
+        index, mover = self.index, self.mover
+        pool = mover.memory(tier)
         for key, size in zip(keys, sizes):
-            meta = self.index.get(key)
+            meta = index.get(key)
             if meta is not None:
                 status.append(PutStatus.STORED if meta.committed else PutStatus.PENDING)
                 blocks.append(None)
                 continue
-            slot = None if full else await self.mover.allocate(tier, size)
+            # After make_room the slots usually fit as they are: take them without a coroutine
+            # per block; mover.allocate evicts when they do not.
+            slot = None if full or not index.has_room(tier, size) else pool.allocate(size)
+            if slot is None and not full:
+                slot = await mover.allocate(tier, size)
             if slot is None:
                 full = True
                 status.append(PutStatus.FULL)
                 blocks.append(None)
                 continue
             meta = BlockMeta(key, size, priority=priority, prior_accesses=self.admission.recall(key))
-            self.index.add(meta)
-            self.index.place(meta, tier, slot)
-            self.index.lease(meta)
+            index.add(meta)
+            index.place(meta, tier, slot)
+            index.lease(meta)
             status.append(PutStatus.RESERVED)
             blocks.append(meta)
         slots = [None if m is None else m.host_slot if tier is Tier.HOST else m.gpu_slot for m in blocks]

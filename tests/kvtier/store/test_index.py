@@ -156,3 +156,28 @@ def test_commit_sets_state_and_summary(index):
     assert meta.state is BlockState.COMMITTED and meta.parent_hash == b"p" * 32
     assert meta.ns_id == NS and meta.chain_hash == (7).to_bytes(32, "big")
     assert meta.accesses == 1
+
+
+def test_lru_membership_follows_every_state_change_and_the_audit_checks_it(index):
+    """The record of which queues hold a block (what _refresh compares against) stays true through
+    every change that moves it in or out of a queue; a stale record is an accounting error."""
+    a = committed(index, 0)
+    index.place(a, Tier.DISK)
+    b = BlockMeta(key(1), 100)
+    index.add(b)
+    index.place(b, Tier.HOST, Slot(0, 5000, 100))
+    index.lease(b)
+    steps = [lambda: index.lease(a), lambda: index.unlease(a), lambda: index.set_moving(a, True),
+             lambda: index.set_moving(a, False), lambda: index.set_priority(a, 2),
+             lambda: index.commit(b, b"h", None, 16, 0, 1.0), lambda: index.unlease(b),
+             lambda: index.unplace(a, Tier.HOST), lambda: index.set_priority(a, 0),
+             lambda: index.unlink(b)]
+    for step in steps:
+        step()
+        assert index.accounting_errors([m for m in (a, b) if not m.linked]) == []  # unlinked: charged still
+        for meta in (a, b):
+            for tier in (Tier.HOST, Tier.DISK):
+                assert (meta in list(index.victims(tier))) == index.evictable(meta, tier)
+    assert list(index.victims(Tier.DISK)) == [a] and list(index.victims(Tier.HOST)) == []
+    a.queued ^= 0b100  # the record no longer says the disk queue holds it
+    assert any("LRU queues" in e for e in index.accounting_errors())

@@ -419,7 +419,7 @@ def decode_header(buf: bytes | bytearray | memoryview, *,
         if h.decoded_len > max_payload_len:
             raise LimitExceeded(f"decoded tensor of {h.decoded_len} bytes > limit {max_payload_len}")
         if _memoisable(h):
-            _TEMPLATES.learn(raw, max_payload_len, h)
+            _TEMPLATES.learn(raw, max_payload_len, _template(h))
     if _memoisable(h):
         if len(_DECODED) >= _MAX_DECODED:
             _DECODED.clear()
@@ -434,19 +434,25 @@ def _memoisable(h: BlockHeader) -> bool:
     return not h.extra and (h.ns_fields is None or all(type(v) in _SCALARS for v in h.ns_fields.values()))
 
 
-def _specialize(template: BlockHeader, values: dict[str, Any]) -> BlockHeader:
-    """``template`` with the varying values of a header that matched it
-    (:mod:`kvtier_protocol.header_templates`): built field by field, since the template vouches for
-    every other field and the matcher checked these (``BlockHeader()`` would validate it all again)."""
+def _specialize(template: tuple[BlockHeader, tuple[tuple[Any, Any], ...]], values: list[Any]) -> BlockHeader:
+    """A header like ``template`` with the varying values (``VARYING`` order: hash, parent, csum,
+    created) of a header that matched it (:mod:`kvtier_protocol.header_templates`): built slot
+    by slot, since the template vouches for every other field and the matcher checked these
+    (``BlockHeader()`` would validate everything again)."""
     h = object.__new__(BlockHeader)
-    for name, set_slot in _TEMPLATE_SLOTS:
-        set_slot(h, getattr(template, name))
-    _SET_CHAIN(h, values["hash"])
-    _SET_PARENT(h, values["parent"])
-    _SET_CSUM(h, values["csum"])
-    created = values["created"]
+    for set_slot, value in template[1]:
+        set_slot(h, value)
+    chain, parent, csum, created = values
+    _SET_CHAIN(h, chain)
+    _SET_PARENT(h, parent)
+    _SET_CSUM(h, csum)
     _SET_CREATED(h, None if created is ABSENT else created)
     return h
+
+
+def _template(h: BlockHeader) -> tuple[BlockHeader, tuple[tuple[Any, Any], ...]]:
+    """What a template of ``h`` keeps: ``h``, and the setter and value of each slot it fixes."""
+    return h, tuple((set_slot, getattr(h, name)) for name, set_slot in _TEMPLATE_SLOTS)
 
 
 _SLOT = {name: BlockHeader.__dict__[name].__set__ for name in BlockHeader.__slots__}
@@ -461,7 +467,7 @@ _DECODED: dict[tuple[bytes, int], BlockHeader] = {}
 and payload limit: the result is a function of those alone, and a hot prefix's blocks are loaded
 again and again (each decode costs tens of µs of validation, ~10 % of a 2 MiB block's copy)."""
 _MAX_DECODED = 8192
-_TEMPLATES: TemplateCache[BlockHeader] = TemplateCache(MIN_HASH_LEN, MAX_HASH_LEN)
+_TEMPLATES: TemplateCache[tuple[BlockHeader, tuple[tuple[Any, Any], ...]]] = TemplateCache(MIN_HASH_LEN, MAX_HASH_LEN)
 """Validated headers as byte templates of the headers of the same stream (header_templates)."""
 _SCALARS = frozenset({str, int, float, bool, bytes, type(None)})
 

@@ -49,6 +49,7 @@ MAX_PREFIXES = 1024
 class _Template(Generic[T]):
     fixed: tuple[bytes, ...]  # fixed[i] comes before the value of keys[i]
     keys: tuple[str, ...]  # the varying keys present, in body order
+    readers: tuple[tuple[Any, int], ...]  # per key: its reader and its index in VARYING
     tail: bytes  # after the last varying value
     length: int  # bytes of the fixed parts and the tail
     value: T  # what the template stands for (a validated header)
@@ -68,9 +69,10 @@ class TemplateCache(Generic[T]):
     def __len__(self) -> int:
         return sum(map(len, self._by_prefix.values()))
 
-    def match(self, body: bytes, limit: int) -> tuple[T, dict[str, Any]] | None:
-        """The template ``body`` matches under payload limit ``limit``, and its varying values
-        (:data:`ABSENT` for a key the template lacks); None when no template matches."""
+    def match(self, body: bytes, limit: int) -> tuple[T, list[Any]] | None:
+        """The template ``body`` matches under payload limit ``limit``, and its varying values in
+        the order of :data:`VARYING` (:data:`ABSENT` for a key the template lacks); None when no
+        template matches."""
         candidates = self._by_prefix.get((body[:PREFIX_LEN], limit))
         if not candidates:
             return None
@@ -111,7 +113,8 @@ class TemplateCache(Generic[T]):
         if not fixed or len(fixed[0]) < PREFIX_LEN:
             return False
         tail = body[start:]
-        t = _Template(tuple(fixed), tuple(keys), tail, sum(map(len, fixed)) + len(tail), value)
+        readers = tuple((_READERS[k], VARYING.index(k)) for k in keys)
+        t = _Template(tuple(fixed), tuple(keys), readers, tail, sum(map(len, fixed)) + len(tail), value)
         key = (body[:PREFIX_LEN], limit)
         candidates = self._by_prefix.get(key)
         if candidates is None:
@@ -122,21 +125,19 @@ class TemplateCache(Generic[T]):
         del candidates[MAX_PER_PREFIX:]
         return True
 
-    def _match(self, t: _Template[T], body: bytes) -> dict[str, Any] | None:
+    def _match(self, t: _Template[T], body: bytes) -> list[Any] | None:
         pos = 0
-        values: dict[str, Any] = {}
+        values = [ABSENT, ABSENT, ABSENT, ABSENT]
         lo, hi = self._min_hash, self._max_hash
-        for part, key in zip(t.fixed, t.keys):
+        for part, (read, slot) in zip(t.fixed, t.readers):
             if not body.startswith(part, pos):
                 return None
-            got = _READERS[key](body, pos + len(part), lo, hi)
+            got = read(body, pos + len(part), lo, hi)
             if got is None:
                 return None
-            values[key], pos = got
+            values[slot], pos = got
         if len(body) - pos != len(t.tail) or not body.endswith(t.tail):
             return None
-        for key in VARYING:
-            values.setdefault(key, ABSENT)
         return values
 
 

@@ -165,8 +165,7 @@ def test_learn_refuses_what_cannot_be_a_template():
     cache: TemplateCache[str] = TemplateCache(8, 64)
     body = encode_header(header(0))[PREAMBLE_LEN:]
     assert cache.learn(body, 100, "h")
-    assert cache.match(body, 100) == ("h", {"hash": header(0).chain_hash, "parent": header(0).parent_hash,
-                                           "csum": 1000, "created": ABSENT})
+    assert cache.match(body, 100) == ("h", [header(0).chain_hash, header(0).parent_hash, 1000, ABSENT])
     assert cache.match(body, 101) is None, "another payload limit is another template"
     m = _map(header(0))
     wide = body.replace(msgpack.packb("csum") + msgpack.packb(1000),

@@ -23,17 +23,13 @@ import re
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Any
 
 import msgpack
 import xxhash
 
 from kvtier_protocol.dtypes import check_dtype, dtype_size
-from kvtier_protocol.errors import (BadMagic, ChecksumMismatch, HeaderError, LayoutError,
-                                    LimitExceeded, ProtocolError, Truncated,
-                                    UnsupportedVersion)
-from kvtier_protocol.header_templates import ABSENT, TemplateCache
+from kvtier_protocol.errors import ChecksumMismatch, HeaderError, LayoutError, LimitExceeded, Truncated
 from kvtier_protocol.layouts import get_layout
 from kvtier_protocol.quant import QuantParams
 
@@ -50,8 +46,7 @@ DEFAULT_MAX_HEADER_LEN = 64 * 1024
 DEFAULT_MAX_PAYLOAD_LEN = 1 << 30
 _U64 = (1 << 64) - 1
 _NAME = re.compile(r"[a-z0-9][a-z0-9_.-]*\Z")
-_NONE = type(None)
-_INT, _STR = frozenset((int,)), frozenset((str,))
+_INT = frozenset((int,))
 
 REQUIRED_KEYS = ("ns", "hash", "parent", "tokens", "layout", "shape", "dtype", "codec",
                  "sections", "plen", "csum_alg", "csum", "quant")
@@ -279,199 +274,6 @@ def _plain(h: BlockHeader) -> bool:
     return all(type(v) is int for v in ints) and (h.created_ms is None or type(h.created_ms) is int)
 
 
-def parse_preamble(buf: bytes | bytearray | memoryview, *,
-                   max_header_len: int = DEFAULT_MAX_HEADER_LEN) -> int:
-    """Check the 20-byte preamble at the start of ``buf`` and return ``header_len``.
-
-    A streaming reader reads 20 bytes, calls this, then reads ``header_len`` more.
-
-    Raises:
-        Truncated, BadMagic, UnsupportedVersion (version != 1 or flags != 0), LimitExceeded.
-    """
-    if len(buf) < PREAMBLE_LEN:
-        raise Truncated(f"record needs a {PREAMBLE_LEN}-byte preamble, got {len(buf)} bytes")
-    magic, version, flags, header_len, _ = PREAMBLE.unpack_from(buf)
-    if magic != MAGIC:
-        raise BadMagic(f"expected magic {MAGIC!r}, got {bytes(magic)!r}")
-    if version != VERSION:
-        raise UnsupportedVersion(f"block record version {version}; this reader speaks {VERSION}")
-    if flags != 0:
-        # A flag would only ever be set for a feature that changes how the bytes are read.
-        raise UnsupportedVersion(f"block record flags 0x{flags:04x}; this reader knows none")
-    if header_len > max_header_len:
-        raise LimitExceeded(f"header_len {header_len} > limit {max_header_len}")
-    return header_len
-
-
-def _no_duplicates(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
-    # Two readers must never see two different values for one key (parser differentials).
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        raise HeaderError("duplicate key in a header map")
-    return out
-
-
-def _unpack(body: memoryview) -> Any:
-    n = len(body)
-    try:
-        return msgpack.unpackb(body, raw=False, strict_map_key=True, object_pairs_hook=_no_duplicates,
-                               max_str_len=n, max_bin_len=n, max_array_len=n, max_map_len=n,
-                               max_ext_len=n)
-    except HeaderError:
-        raise
-    except (ValueError, TypeError, msgpack.UnpackException) as e:
-        raise HeaderError(f"header map is not valid msgpack: {type(e).__name__}: {e}") from None
-
-
-def _get(m: dict[str, Any], key: str, types: type | tuple[type, ...]) -> Any:
-    if key not in m:
-        raise HeaderError(f"required header key {key!r} is missing")
-    v = m[key]
-    if not isinstance(v, types) or isinstance(v, bool):
-        raise HeaderError(f"header key {key!r} has the wrong msgpack type ({type(v).__name__})")
-    return v
-
-
-_REQUIRED_SET = frozenset(REQUIRED_KEYS)
-_WIRE_SET = frozenset(WIRE_KEYS)
-_REQUIRED_TYPES = (("ns", bytes), ("hash", bytes), ("parent", (bytes, _NONE)), ("tokens", int),
-                   ("layout", str), ("shape", list), ("dtype", str), ("codec", str), ("sections", list),
-                   ("plen", int), ("csum_alg", str), ("csum", int), ("quant", (dict, _NONE)))
-assert tuple(k for k, _ in _REQUIRED_TYPES) == REQUIRED_KEYS
-_FAST_TYPES = frozenset((bytes, bytes, parent, int, str, list, str, str, list, int, str, int, quant)
-                        for parent in (bytes, _NONE) for quant in (_NONE, dict))
-"""Every combination of exact types of REQUIRED_KEYS, in order, that :func:`_get` accepts
-(msgpack yields no subclasses): one C-level tuple compare checks a whole map."""
-
-
-def _from_map(m: Any, max_payload_len: int) -> BlockHeader:
-    if not isinstance(m, dict) or not (set(map(type, m)) <= _STR or all(isinstance(k, str) for k in m)):
-        raise HeaderError("header must be a msgpack map with string keys")
-    if not (m.keys() >= _REQUIRED_SET and tuple(map(type, map(m.__getitem__, REQUIRED_KEYS))) in _FAST_TYPES):
-        for key, types in _REQUIRED_TYPES:
-            _get(m, key, types)  # raises the error naming the first missing or mistyped key
-    plen = m["plen"]
-    if plen > max_payload_len:
-        raise LimitExceeded(f"plen {plen} > limit {max_payload_len}")
-    sections = []
-    for s in m["sections"]:
-        if not (isinstance(s, list) and len(s) == 3):
-            raise HeaderError("each section must be an array [name, offset, length]")
-        sections.append(Section(*s))
-    quant = m["quant"]
-    ns_fields = m.get("ns_fields")
-    if ns_fields is not None and not isinstance(ns_fields, dict):
-        raise HeaderError("ns_fields must be a map")
-    return BlockHeader(
-        ns_id=m["ns"], chain_hash=m["hash"], parent_hash=m["parent"], num_tokens=m["tokens"],
-        layout=m["layout"], shape=tuple(m["shape"]), dtype=m["dtype"], codec=m["codec"],
-        sections=tuple(sections), payload_len=plen, checksum=m["csum"], checksum_alg=m["csum_alg"],
-        quant=QuantParams.from_wire(quant) if quant is not None else None,
-        ns_fields=None if ns_fields is None else MappingProxyType(ns_fields), created_ms=m.get("created"),
-        extra=() if m.keys() <= _WIRE_SET else tuple((k, v) for k, v in m.items() if k not in WIRE_KEYS))
-
-
-def _byte_view(buf: bytes | bytearray | memoryview) -> memoryview:
-    view = memoryview(buf)
-    if view.format != "B" or view.ndim != 1:
-        try:
-            view = view.cast("B")
-        except TypeError as e:
-            raise ProtocolError(f"record buffer is not a contiguous byte buffer: {e}") from None
-    return view
-
-
-def decode_header(buf: bytes | bytearray | memoryview, *,
-                  max_header_len: int = DEFAULT_MAX_HEADER_LEN,
-                  max_payload_len: int = DEFAULT_MAX_PAYLOAD_LEN) -> tuple[BlockHeader, int]:
-    """Decode and validate the header at the start of ``buf`` (which may hold more bytes).
-
-    Lengths are checked against the limits before anything is allocated; ``max_payload_len`` also
-    bounds the decoded tensor (``prod(shape) * dtype size``) so a tiny quantized payload cannot
-    declare a huge tensor.
-
-    Returns:
-        The header and the offset of the payload in ``buf``.
-
-    Raises:
-        Truncated, BadMagic, UnsupportedVersion, LimitExceeded, ChecksumMismatch (header bytes),
-        HeaderError. Nothing else.
-    """
-    view = _byte_view(buf)
-    header_len = parse_preamble(view, max_header_len=max_header_len)
-    end = PREAMBLE_LEN + header_len
-    if len(view) < end:
-        raise Truncated(f"header needs {end} bytes, got {len(view)}")
-    key = (bytes(view[:end]), max_payload_len)
-    known = _DECODED.get(key)
-    if known is not None:
-        return known, end
-    body = view[PREAMBLE_LEN:end]
-    expected = PREAMBLE.unpack_from(view)[4]
-    if xxhash.xxh3_64_intdigest(body) != expected:
-        raise ChecksumMismatch("header map bytes do not match the preamble's xxh3-64")
-    raw = key[0][PREAMBLE_LEN:]
-    hit = _TEMPLATES.match(raw, max_payload_len)
-    if hit is not None:
-        h = _specialize(*hit)
-    else:
-        h = _from_map(_unpack(body), max_payload_len)
-        if h.decoded_len > max_payload_len:
-            raise LimitExceeded(f"decoded tensor of {h.decoded_len} bytes > limit {max_payload_len}")
-        if _memoisable(h):
-            _TEMPLATES.learn(raw, max_payload_len, _template(h))
-    if _memoisable(h):
-        if len(_DECODED) >= _MAX_DECODED:
-            _DECODED.clear()
-        _DECODED[key] = h
-    return h, end
-
-
-def _memoisable(h: BlockHeader) -> bool:
-    """Wholly immutable, so safe to hand to every caller: ns_fields is a read-only view, kept only
-    when its values are scalars (what Namespace.to_wire() writes; the connectors' headers all
-    carry it, and they are the blocks loaded again and again)."""
-    return not h.extra and (h.ns_fields is None or all(type(v) in _SCALARS for v in h.ns_fields.values()))
-
-
-def _specialize(template: tuple[BlockHeader, tuple[tuple[Any, Any], ...]], values: list[Any]) -> BlockHeader:
-    """A header like ``template`` with the varying values (``VARYING`` order: hash, parent, csum,
-    created) of a header that matched it (:mod:`kvtier_protocol.header_templates`): built slot
-    by slot, since the template vouches for every other field and the matcher checked these
-    (``BlockHeader()`` would validate everything again)."""
-    h = object.__new__(BlockHeader)
-    for set_slot, value in template[1]:
-        set_slot(h, value)
-    chain, parent, csum, created = values
-    _SET_CHAIN(h, chain)
-    _SET_PARENT(h, parent)
-    _SET_CSUM(h, csum)
-    _SET_CREATED(h, None if created is ABSENT else created)
-    return h
-
-
-def _template(h: BlockHeader) -> tuple[BlockHeader, tuple[tuple[Any, Any], ...]]:
-    """What a template of ``h`` keeps: ``h``, and the setter and value of each slot it fixes."""
-    return h, tuple((set_slot, getattr(h, name)) for name, set_slot in _TEMPLATE_SLOTS)
-
-
-_SLOT = {name: BlockHeader.__dict__[name].__set__ for name in BlockHeader.__slots__}
-"""The slots' own setters: they store a value without the frozen dataclass's ``__setattr__``."""
-_SET_CHAIN, _SET_PARENT, _SET_CSUM, _SET_CREATED = (
-    _SLOT[n] for n in ("chain_hash", "parent_hash", "checksum", "created_ms"))
-_TEMPLATE_SLOTS = tuple((n, f) for n, f in _SLOT.items()
-                        if n not in ("chain_hash", "parent_hash", "checksum", "created_ms"))
-assert set(BlockHeader.__slots__) == set(BlockHeader.__dataclass_fields__), "BlockHeader is a slots dataclass"
-_DECODED: dict[tuple[bytes, int], BlockHeader] = {}
-"""Headers decoded and validated before, by their exact bytes (preamble included, so its xxh3 too)
-and payload limit: the result is a function of those alone, and a hot prefix's blocks are loaded
-again and again (each decode costs tens of µs of validation, ~10 % of a 2 MiB block's copy)."""
-_MAX_DECODED = 8192
-_TEMPLATES: TemplateCache[tuple[BlockHeader, tuple[tuple[Any, Any], ...]]] = TemplateCache(MIN_HASH_LEN, MAX_HASH_LEN)
-"""Validated headers as byte templates of the headers of the same stream (header_templates)."""
-_SCALARS = frozenset({str, int, float, bool, bytes, type(None)})
-
-
 def payload_checksum(buf: bytes | bytearray | memoryview) -> int:
     """xxh3-64 (seed 0) of a payload, as an unsigned integer."""
     return xxhash.xxh3_64_intdigest(buf)
@@ -496,20 +298,13 @@ def record_len(h: BlockHeader) -> int:
     return len(encode_header(h)) + h.payload_len
 
 
-def split_record(buf: bytes | bytearray | memoryview, *,
-                 max_header_len: int = DEFAULT_MAX_HEADER_LEN,
-                 max_payload_len: int = DEFAULT_MAX_PAYLOAD_LEN) -> tuple[BlockHeader, memoryview]:
-    """Split one whole record into its header and a zero-copy view of its payload (unverified).
+# The decode side lives in its own module (it needs the types above); re-exported here, where every
+# caller imports it from.
+from kvtier_protocol.header_decode import (_DECODED, _MAX_DECODED, decode_header,  # noqa: E402
+                                           parse_preamble, split_record)
 
-    Raises:
-        What :func:`decode_header` raises; Truncated if the payload is short; HeaderError if bytes
-        follow the payload.
-    """
-    h, off = decode_header(buf, max_header_len=max_header_len, max_payload_len=max_payload_len)
-    view = _byte_view(buf)
-    end = off + h.payload_len
-    if len(view) < end:
-        raise Truncated(f"record needs {end} bytes, got {len(view)}")
-    if len(view) > end:
-        raise HeaderError(f"{len(view) - end} bytes follow the payload the header declares")
-    return h, view[off:end]
+__all__ = ["CHECKSUM_ALG", "DEFAULT_MAX_HEADER_LEN", "DEFAULT_MAX_PAYLOAD_LEN", "MAGIC", "MAX_HASH_LEN",
+           "MAX_NAME_LEN", "MAX_SECTIONS", "MIN_HASH_LEN", "NS_ID_LEN", "OPTIONAL_KEYS", "PREAMBLE",
+           "PREAMBLE_LEN", "REQUIRED_KEYS", "VERSION", "WIRE_KEYS", "BlockHeader", "Section",
+           "decode_header", "encode_header", "parse_preamble", "payload_checksum", "record_len",
+           "split_record", "verify_payload"]

@@ -12,7 +12,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier_protocol import header as H
+from kvtier_protocol import header_decode as H
 from kvtier_protocol.errors import KVTierError
 from kvtier_protocol.header import PREAMBLE, PREAMBLE_LEN, BlockHeader, Section, decode_header, encode_header
 from kvtier_protocol.header_templates import ABSENT, TemplateCache

@@ -1,0 +1,66 @@
+"""The blocks of `kvtier bench store`: keys, headers, random payloads, and the store's own put and
+get loops over them (reserve → copy into the slot → commit; acquire → copy out → release)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from kvtier.store.store import TieredStore
+from kvtier_protocol.header import BlockHeader, Section, encode_header, payload_checksum
+
+MIB = 1 << 20
+NS = hashlib.sha256(b"kvtier bench store").digest()[:16]
+
+
+def chain_hash(i: int) -> bytes:
+    """The chain hash of block ``i`` (fixed, so every run stores the same keys)."""
+    return hashlib.sha256(NS + i.to_bytes(8, "little")).digest()
+
+
+def block_header(i: int, payload: memoryview | bytes) -> bytes:
+    """The encoded header of block ``i`` over ``payload`` (a raw float16 block)."""
+    n = len(payload)
+    h = BlockHeader(ns_id=NS, chain_hash=chain_hash(i), parent_hash=chain_hash(i - 1) if i else None, num_tokens=16,
+                    layout="canonical", shape=(1, 2, 1, 16, n // 64), dtype="float16", codec="raw",
+                    sections=(Section("payload", 0, n),), payload_len=n, checksum=payload_checksum(payload))
+    return encode_header(h)
+
+
+def random_blocks(count: int, nbytes: int, seed: int) -> list[torch.Tensor]:
+    """``count`` payloads of ``nbytes`` random bytes (seeded)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen) for _ in range(count)]
+
+
+def batches(n: int, per: int) -> list[range]:
+    """``range(n)`` cut into ranges of ``per``."""
+    return [range(i, min(n, i + per)) for i in range(0, n, per)]
+
+
+async def put_blocks(store: TieredStore, hashes: list[bytes], headers: list[bytes], srcs: list[torch.Tensor],
+                     per: int) -> None:
+    """Store every block through the host tier, ``per`` blocks a reservation."""
+    assert store.host is not None
+    for r in batches(len(hashes), per):
+        res = await store.reserve(NS, hashes[r.start:r.stop], [srcs[i].numel() for i in r])
+        for i, slot in zip(r, res.slots):
+            if slot is None:
+                raise RuntimeError("the bench's host tier is too small for its working set")
+            store.host.torch_view(slot).copy_(srcs[i])
+        await store.commit(res.lease_id, headers[r.start:r.stop])
+
+
+async def get_blocks(store: TieredStore, hashes: list[bytes], dsts: list[torch.Tensor], per: int) -> int:
+    """Copy every stored block out of its host slot into ``dsts``; how many were found."""
+    assert store.host is not None
+    got = 0
+    for r in batches(len(hashes), per):
+        acq = await store.acquire(NS, hashes[r.start:r.stop])
+        for i, block in zip(r, acq.blocks):
+            dsts[i].copy_(store.host.torch_view(block.slot))
+        got += len(acq.blocks)
+        if acq.lease_id:
+            store.release(acq.lease_id)
+    return got

@@ -11,7 +11,9 @@ itself. A map is judged by one of three paths, all with the same outcome:
   decoded in full, and these bytes differ from it only in hash, parent, checksum and creation
   time, each checked on its own;
 * **full decode**: msgpack with a duplicate-key check, every key's type, then
-  :class:`~kvtier_protocol.header.BlockHeader`'s validation.
+  :class:`~kvtier_protocol.header_types.BlockHeader`'s validation.
+
+Callers import these from :mod:`kvtier_protocol.header`.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import xxhash
 
 from kvtier_protocol.errors import (BadMagic, ChecksumMismatch, HeaderError, LimitExceeded, ProtocolError,
                                     Truncated, UnsupportedVersion)
-from kvtier_protocol.header import (DEFAULT_MAX_HEADER_LEN, DEFAULT_MAX_PAYLOAD_LEN, MAGIC, MAX_HASH_LEN,
+from kvtier_protocol.header_types import (DEFAULT_MAX_HEADER_LEN, DEFAULT_MAX_PAYLOAD_LEN, MAGIC, MAX_HASH_LEN,
                                     MIN_HASH_LEN, PREAMBLE, PREAMBLE_LEN, REQUIRED_KEYS, VERSION,
                                     WIRE_KEYS, BlockHeader, Section)
 from kvtier_protocol.header_templates import ABSENT, TemplateCache

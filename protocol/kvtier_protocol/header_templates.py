@@ -41,7 +41,7 @@ PREFIX_LEN = 24
 """Bytes of a body that name its templates: for kvtier's encoder, the map header, ``ns`` and its
 16 bytes (keys are written in ``WIRE_KEYS`` order), so the namespace picks the candidates."""
 MAX_PER_PREFIX = 8
-"""Templates kept per prefix, most recently matched first (a namespace has a few geometries)."""
+"""Templates kept per prefix, the newest first (a namespace has a few block geometries)."""
 MAX_PREFIXES = 1024
 
 
@@ -73,14 +73,11 @@ class TemplateCache(Generic[T]):
         """The template ``body`` matches under payload limit ``limit``, and its varying values in
         the order of :data:`VARYING` (:data:`ABSENT` for a key the template lacks); None when no
         template matches."""
-        candidates = self._by_prefix.get((body[:PREFIX_LEN], limit))
-        if not candidates:
-            return None
-        for i, t in enumerate(candidates):
+        # Read-only (decoders run on several threads: the daemon's I/O pool, a client's callers);
+        # a list that learn() changes meanwhile is at worst walked with one template more or less.
+        for t in self._by_prefix.get((body[:PREFIX_LEN], limit), ()):
             values = self._match(t, body)
             if values is not None:
-                if i:  # most recently matched first
-                    candidates.insert(0, candidates.pop(i))
                 return t.value, values
         return None
 

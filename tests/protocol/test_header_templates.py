@@ -213,3 +213,31 @@ def test_fuzz_varying_values_of_every_encoding():
                    chain_hash=rng.randbytes(rng.randint(8, 64)))
         buf = encode_header(h)
         assert fast_decode(buf) == h == full_decode(buf)
+
+
+def test_threads_decoding_and_learning_at_once_agree_with_the_full_decode():
+    """Decoders run on several threads (the daemon's I/O pool, a client's callers): matching while
+    other threads learn templates of other geometries never fails or answers differently."""
+    import threading
+
+    shapes = [(2, 2, 2, 16, 8 * k) for k in range(1, 9)]
+    streams = [[encode_header(header(i, shape=s, sections=(Section("payload", 0, 256 * s[-1]),),
+                                     payload_len=256 * s[-1])) for i in range(60)] for s in shapes]
+    expected = [[full_decode(b) for b in stream] for stream in streams]
+    errors: list[BaseException] = []
+
+    def work(k: int) -> None:
+        try:
+            for _ in range(3):
+                for buf, want in zip(streams[k], expected[k]):
+                    got = decode_header(buf)[0]
+                    assert got == want
+        except BaseException as e:  # reported below, in the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(len(streams))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []

@@ -25,6 +25,7 @@ Torch-free and independent of :mod:`kvtier_protocol.header`, which owns the head
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -47,11 +48,8 @@ MAX_PREFIXES = 1024
 
 @dataclass(frozen=True, slots=True)
 class _Template(Generic[T]):
-    fixed: tuple[bytes, ...]  # fixed[i] comes before the value of keys[i]
-    keys: tuple[str, ...]  # the varying keys present, in body order
-    readers: tuple[tuple[Any, int], ...]  # per key: its reader and its index in VARYING
-    tail: bytes  # after the last varying value
-    length: int  # bytes of the fixed parts and the tail
+    pattern: re.Pattern[bytes]  # the whole body: fixed parts literally, one group per varying value
+    slots: tuple[int, ...]  # per group, in body order: its key's index in VARYING
     value: T  # what the template stands for (a validated header)
 
 
@@ -110,8 +108,17 @@ class TemplateCache(Generic[T]):
         if not fixed or len(fixed[0]) < PREFIX_LEN:
             return False
         tail = body[start:]
-        readers = tuple((_READERS[k], VARYING.index(k)) for k in keys)
-        t = _Template(tuple(fixed), tuple(keys), readers, tail, sum(map(len, fixed)) + len(tail), value)
+        hash_len = len(m["hash"]) if "hash" in m else 0
+        parent = m.get("parent")
+        # One regular expression per template: the body is then matched by one C-level pass.
+        # A hash or parent of another length than the learnt one does not match (a full decode
+        # then learns that length too): a scheme's chain hashes all have one length.
+        parts = []
+        for part, k in zip(fixed, keys):
+            parts.append(re.escape(part))
+            parts.append(_value_pattern(k, hash_len, len(parent) if isinstance(parent, bytes) else hash_len))
+        parts.append(re.escape(tail))
+        t = _Template(re.compile(b"".join(parts), re.DOTALL), tuple(VARYING.index(k) for k in keys), value)
         key = (body[:PREFIX_LEN], limit)
         candidates = self._by_prefix.get(key)
         if candidates is None:
@@ -122,20 +129,51 @@ class TemplateCache(Generic[T]):
         del candidates[MAX_PER_PREFIX:]
         return True
 
-    def _match(self, t: _Template[T], body: bytes) -> list[Any] | None:
-        pos = 0
-        values = [ABSENT, ABSENT, ABSENT, ABSENT]
-        lo, hi = self._min_hash, self._max_hash
-        for part, (read, slot) in zip(t.fixed, t.readers):
-            if not body.startswith(part, pos):
-                return None
-            got = read(body, pos + len(part), lo, hi)
-            if got is None:
-                return None
-            values[slot], pos = got
-        if len(body) - pos != len(t.tail) or not body.endswith(t.tail):
+    @staticmethod
+    def _match(t: _Template[T], body: bytes) -> list[Any] | None:
+        m = t.pattern.fullmatch(body)
+        if m is None:
             return None
+        values = [ABSENT, ABSENT, ABSENT, ABSENT]
+        for slot, raw in zip(t.slots, m.groups()):
+            values[slot] = _DECODE[slot](raw)
         return values
+
+
+def _value_pattern(key: str, hash_len: int, parent_len: int) -> bytes:
+    """The group that matches the encodings of ``key``'s value a template takes (see _READERS)."""
+    if key == "hash":
+        return re.escape(bytes((0xC4, hash_len))) + b"(.{%d})" % hash_len
+    if key == "parent":
+        return b"(\\xc0|" + re.escape(bytes((0xC4, parent_len))) + b".{%d})" % parent_len
+    if key == "csum":
+        return b"(" + _UINT_PATTERN + b")"
+    assert key == "created", "VARYING has four keys"
+    return b"(\\xc0|" + _UINT_PATTERN + b")"
+
+
+_UINT_PATTERN = b"[\\x00-\\x7f]|\\xcc.|\\xcd.{2}|\\xce.{4}|\\xcf.{8}"
+"""Every msgpack encoding of an unsigned integer: positive fixint, uint 8 / 16 / 32 / 64."""
+
+
+def _uint_value(raw: bytes) -> int:
+    return raw[0] if len(raw) == 1 else int.from_bytes(raw[1:], "big")
+
+
+def _decode_hash(raw: bytes) -> bytes:
+    return raw
+
+
+def _decode_parent(raw: bytes) -> bytes | None:
+    return None if raw == b"\xc0" else raw[2:]
+
+
+def _decode_created(raw: bytes) -> int | None:
+    return None if raw == b"\xc0" else _uint_value(raw)
+
+
+_DECODE = (_decode_hash, _decode_parent, _uint_value, _decode_created)
+"""Per index in VARYING (hash, parent, csum, created): a matched group's bytes to the value."""
 
 
 # --- readers of the varying values: (body, offset, min hash, max hash) -> (value, end) | None ----

@@ -73,7 +73,7 @@ def test_a_stream_of_headers_after_the_first_is_decoded_by_template():
     assert fast_decode(first) == header(0)
     assert len(H._TEMPLATES) == 1, "the first full decode of a canonical header leaves a template"
     for i, h in enumerate([header(1), header(2, parent_hash=None), header(3, checksum=(1 << 64) - 1),
-                           header(4, checksum=0), header(5, chain_hash=b"\x07" * 8, parent_hash=b"\x08" * 64)]):
+                           header(4, checksum=0), header(5, checksum=255)]):
         buf = encode_header(h)
         H._DECODED.clear()
         assert H._TEMPLATES.match(buf[PREAMBLE_LEN:], H.DEFAULT_MAX_PAYLOAD_LEN) is not None, i
@@ -81,6 +81,13 @@ def test_a_stream_of_headers_after_the_first_is_decoded_by_template():
         assert got == h and got == full_decode(buf)
         assert type(got.checksum) is int and type(got.num_tokens) is int and all(type(v) is int for v in got.shape)
     assert len(H._TEMPLATES) == 1, "one stream, one template"
+    # Hashes of another length (another hashing scheme) are another stream: decoded in full once,
+    # then by a template of their own.
+    other = [encode_header(header(6 + i, chain_hash=bytes([7 + i]) * 8, parent_hash=b"\x08" * 8)) for i in range(2)]
+    assert H._TEMPLATES.match(other[0][PREAMBLE_LEN:], H.DEFAULT_MAX_PAYLOAD_LEN) is None
+    assert fast_decode(other[0]) == full_decode(other[0])
+    assert H._TEMPLATES.match(other[1][PREAMBLE_LEN:], H.DEFAULT_MAX_PAYLOAD_LEN) is not None
+    assert fast_decode(other[1]) == full_decode(other[1]) and len(H._TEMPLATES) == 2
 
 
 def test_templates_are_per_geometry_namespace_and_limit():
@@ -204,15 +211,20 @@ def test_fuzz_varying_values_of_every_encoding():
     """Every msgpack width of csum and created, nil and bin parents: template answers equal full ones."""
     rng = random.Random(7)
     fast_decode(encode_header(header(0, created_ms=0)))
+    matched = 0
     for _ in range(500):
         csum = rng.choice([0, 127, 128, 255, 256, 65535, 65536, (1 << 32) - 1, 1 << 32, (1 << 64) - 1,
                            rng.randrange(1 << 64)])
         created = rng.choice([0, 127, 1 << 40, (1 << 64) - 1])
-        parent = rng.choice([None, rng.randbytes(rng.randint(8, 64))])
+        length = rng.choice([32, 32, 32, rng.randint(8, 64)])  # mostly one scheme's length: templated
+        parent = rng.choice([None, rng.randbytes(length), rng.randbytes(rng.randint(8, 64))])
         h = header(rng.randrange(1 << 30), checksum=csum, created_ms=created, parent_hash=parent,
-                   chain_hash=rng.randbytes(rng.randint(8, 64)))
+                   chain_hash=rng.randbytes(length))
         buf = encode_header(h)
+        H._DECODED.clear()
+        matched += H._TEMPLATES.match(buf[PREAMBLE_LEN:], H.DEFAULT_MAX_PAYLOAD_LEN) is not None
         assert fast_decode(buf) == h == full_decode(buf)
+    assert matched > 250, "most of these went through a template"
 
 
 def test_threads_decoding_and_learning_at_once_agree_with_the_full_decode():

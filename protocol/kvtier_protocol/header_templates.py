@@ -12,15 +12,17 @@ values of its varying keys::
     template:  |<-------- fixed[0] -------->| hash value  |<-fixed[1]->|parent|<- ... ->| csum     |<tail>|
 
 A body matches when every fixed part is byte-identical and every varying value is a msgpack
-scalar of the one type the full decode accepts for it (bin, nil or bin, uint, nil or uint) whose
-value passes that key's own check. The fixed bytes being identical means every other key decodes
-to the identical value, types included, in the map the template was validated from; no rule of
-the full validation ties a varying key to another key. So a match is exactly as valid as a full
-decode, without building one. Anything else (another encoder's key order, a non-minimal integer
-where the template had a minimal one, a duplicate key) simply does not match, and the caller
-decodes in full.
+scalar of the one type the full decode accepts for it, whose value passes that key's own check:
+a bin8 hash of the learnt length, nil or a bin8 parent of that length, a uint checksum, nil or a
+uint creation time. Each template is compiled to one regular expression over the whole body
+(fixed parts literal, one group per varying value), so matching is one C-level pass. The fixed
+bytes being identical means every other key decodes to the identical value, types included, in
+the map the template was validated from; no rule of the full validation ties a varying key to
+another key. So a match is exactly as valid as a full decode, without building one. Anything
+else (another encoder's key order, a non-minimal integer, a duplicate key, a hash of another
+length) simply does not match, and the caller decodes in full (and learns that stream too).
 
-Torch-free and independent of :mod:`kvtier_protocol.header`, which owns the headers themselves.
+Torch-free and independent of the header modules, which own the headers themselves.
 """
 
 from __future__ import annotations

@@ -74,19 +74,23 @@ class Mover:
 
     # --- memory tiers: slots and eviction -------------------------------------------------------
 
+    def take_slot(self, tier: Tier, nbytes: int) -> Slot | None:
+        """A slot of ``nbytes`` in ``tier`` if one is free now (no eviction); None otherwise.
+
+        Synchronous, so a batch whose room was made beforehand (``make_room``) takes its slots
+        without a coroutine per block; :meth:`allocate` evicts when this finds none.
+        """
+        return self.memory(tier).allocate(nbytes) if self.index.has_room(tier, nbytes) else None
+
     async def allocate(self, tier: Tier, nbytes: int) -> Slot | None:
         """A slot of ``nbytes`` in ``tier``, evicting least valuable blocks as needed; None if impossible."""
-        pool = self.memory(tier)
         while True:
-            if self.index.has_room(tier, nbytes):
-                slot = pool.allocate(nbytes)
-                if slot is not None:
-                    return slot
-                # Room by the byte count, but no free range of the right size (size classes,
-                # fragmentation): free at least one more block and retry.
-                want = nbytes
-            else:
-                want = nbytes - self.index.free_bytes(tier)
+            slot = self.take_slot(tier, nbytes)
+            if slot is not None:
+                return slot
+            # With room by the byte count but no free range of the right size (size classes,
+            # fragmentation), free at least one more block and retry.
+            want = nbytes if self.index.has_room(tier, nbytes) else nbytes - self.index.free_bytes(tier)
             if not await self.evict(tier, want):
                 return None
 

@@ -49,16 +49,14 @@ class BlockWriter:
         blocks: list[BlockMeta | None] = []
         full = False
         index, mover = self.index, self.mover
-        pool = mover.memory(tier)
         for key, size in zip(keys, sizes):
             meta = index.get(key)
             if meta is not None:
                 status.append(PutStatus.STORED if meta.committed else PutStatus.PENDING)
                 blocks.append(None)
                 continue
-            # After make_room the slots usually fit as they are: take them without a coroutine
-            # per block; mover.allocate evicts when they do not.
-            slot = None if full or not index.has_room(tier, size) else pool.allocate(size)
+            # After make_room the slots usually fit as they are (take_slot); allocate evicts.
+            slot = None if full else mover.take_slot(tier, size)
             if slot is None and not full:
                 slot = await mover.allocate(tier, size)
             if slot is None:

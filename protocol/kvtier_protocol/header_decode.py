@@ -172,13 +172,15 @@ def decode_header(buf: bytes | bytearray | memoryview, *,
     hit = _TEMPLATES.match(raw, max_payload_len)
     if hit is not None:
         h = _specialize(*hit)
+        memoisable = True  # templates are learnt from memoisable headers only, and h shares their values
     else:
         h = _from_map(_unpack(body), max_payload_len)
         if h.decoded_len > max_payload_len:
             raise LimitExceeded(f"decoded tensor of {h.decoded_len} bytes > limit {max_payload_len}")
-        if _memoisable(h):
+        memoisable = _memoisable(h)
+        if memoisable:
             _TEMPLATES.learn(raw, max_payload_len, _template(h))
-    if _memoisable(h):
+    if memoisable:
         if len(_DECODED) >= _MAX_DECODED:
             _DECODED.clear()
         _DECODED[key] = h

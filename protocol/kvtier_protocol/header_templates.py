@@ -84,7 +84,8 @@ class TemplateCache(Generic[T]):
     def learn(self, body: bytes, limit: int, value: T) -> bool:
         """Remember ``body`` (a header map the caller validated in full, with ``limit``) as the
         template of ``value``. False when it cannot be one: not canonical msgpack of a map
-        (packing its decoded map gives other bytes), or a varying key among its first bytes."""
+        (packing its decoded map gives other bytes), a varying key among its first bytes, a hash
+        or parent outside the hash lengths, or a varying value its own template would refuse."""
         try:
             m = msgpack.unpackb(body, raw=False)
         except (ValueError, TypeError, msgpack.UnpackException):
@@ -100,8 +101,6 @@ class TemplateCache(Generic[T]):
             pos += len(msgpack.packb(k, use_bin_type=True))
             end = pos + len(msgpack.packb(v, use_bin_type=True))
             if k in VARYING:
-                if _READERS[k](body, pos, self._min_hash, self._max_hash) != (v, end):
-                    return False  # an encoding this reader does not take (never for kvtier's own)
                 fixed.append(body[start:pos])
                 keys.append(k)
                 start = end
@@ -110,17 +109,22 @@ class TemplateCache(Generic[T]):
         if not fixed or len(fixed[0]) < PREFIX_LEN:
             return False
         tail = body[start:]
-        hash_len = len(m["hash"]) if "hash" in m else 0
-        parent = m.get("parent")
+        chain, parent = m.get("hash"), m.get("parent")
+        hash_len = len(chain) if isinstance(chain, bytes) else 0
+        parent_len = len(parent) if isinstance(parent, bytes) else hash_len
+        if not (self._min_hash <= hash_len <= self._max_hash and self._min_hash <= parent_len <= self._max_hash):
+            return False
         # One regular expression per template: the body is then matched by one C-level pass.
         # A hash or parent of another length than the learnt one does not match (a full decode
         # then learns that length too): a scheme's chain hashes all have one length.
         parts = []
         for part, k in zip(fixed, keys):
             parts.append(re.escape(part))
-            parts.append(_value_pattern(k, hash_len, len(parent) if isinstance(parent, bytes) else hash_len))
+            parts.append(_value_pattern(k, hash_len, parent_len))
         parts.append(re.escape(tail))
         t = _Template(re.compile(b"".join(parts), re.DOTALL), tuple(VARYING.index(k) for k in keys), value)
+        if self._match(t, body) != [m.get(k, ABSENT) for k in VARYING]:
+            return False  # a varying value in an encoding or of a type templates do not take
         key = (body[:PREFIX_LEN], limit)
         candidates = self._by_prefix.get(key)
         if candidates is None:
@@ -143,7 +147,8 @@ class TemplateCache(Generic[T]):
 
 
 def _value_pattern(key: str, hash_len: int, parent_len: int) -> bytes:
-    """The group that matches the encodings of ``key``'s value a template takes (see _READERS)."""
+    """The group that matches every encoding of ``key``'s value that a template takes: only those
+    whose decoded value has the type the full decode requires and passes that key's check there."""
     if key == "hash":
         return re.escape(bytes((0xC4, hash_len))) + b"(.{%d})" % hash_len
     if key == "parent":
@@ -176,57 +181,3 @@ def _decode_created(raw: bytes) -> int | None:
 
 _DECODE = (_decode_hash, _decode_parent, _uint_value, _decode_created)
 """Per index in VARYING (hash, parent, csum, created): a matched group's bytes to the value."""
-
-
-# --- readers of the varying values: (body, offset, min hash, max hash) -> (value, end) | None ----
-# Each takes only the msgpack encodings whose decoded value has the type the full decode requires
-# and that pass that key's check there; anything else is None (no match, full decode).
-
-
-def _uint(b: bytes, pos: int) -> tuple[int, int] | None:
-    if pos >= len(b):
-        return None
-    tag = b[pos]
-    if tag <= 0x7F:
-        return tag, pos + 1
-    width = _UINT_WIDTH.get(tag)
-    if width is None or pos + 1 + width > len(b):
-        return None
-    return int.from_bytes(b[pos + 1:pos + 1 + width], "big"), pos + 1 + width
-
-
-_UINT_WIDTH = {0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8}
-
-
-def _bin8(b: bytes, pos: int, lo: int, hi: int) -> tuple[bytes, int] | None:
-    if pos + 2 > len(b) or b[pos] != 0xC4:
-        return None
-    n = b[pos + 1]
-    end = pos + 2 + n
-    if not lo <= n <= hi or end > len(b):
-        return None
-    return b[pos + 2:end], end
-
-
-def _read_hash(b: bytes, pos: int, lo: int, hi: int) -> tuple[bytes, int] | None:
-    return _bin8(b, pos, lo, hi)
-
-
-def _read_parent(b: bytes, pos: int, lo: int, hi: int) -> tuple[bytes | None, int] | None:
-    if pos < len(b) and b[pos] == 0xC0:
-        return None, pos + 1
-    return _bin8(b, pos, lo, hi)
-
-
-def _read_csum(b: bytes, pos: int, lo: int, hi: int) -> tuple[int, int] | None:
-    return _uint(b, pos)  # every msgpack uint is a u64
-
-
-def _read_created(b: bytes, pos: int, lo: int, hi: int) -> tuple[int | None, int] | None:
-    if pos < len(b) and b[pos] == 0xC0:
-        return None, pos + 1
-    return _uint(b, pos)
-
-
-_READERS = {"hash": _read_hash, "parent": _read_parent, "csum": _read_csum, "created": _read_created}
-assert set(_READERS) == set(VARYING)

@@ -9,6 +9,10 @@ Rows:
     shared memory → commit; pipelined in sub-batches with ``--pipeline-mib``) and through TCP
     (records inline in ``put`` frames). The blocks are deleted (untimed) after each repetition,
     so every save stores new blocks, never "exists".
+  * ``shm put ..., write-behind``: the same saves from a client with
+    ``ClientOptions.write_behind`` (each save returns once its payloads are in shared memory; the
+    commits are answered while the next save copies), timed up to ``Client.flush()`` returning,
+    i.e. until the daemon confirmed every commit of the repetition.
   * ``shm get`` / ``tcp get`` (GB/s of payload): ``Client.load_into`` of the same batches into
     preallocated destination tensors (acquire → copy out of shared memory → release, pipelined
     with ``--pipeline-mib``; ``get`` with records inline → copy and verify), the destinations
@@ -91,10 +95,11 @@ def run(args: argparse.Namespace) -> SuiteResult:
     with daemon.running():
         pipe = {} if args.pipeline_mib is None else {"pipeline_bytes": int(args.pipeline_mib * MIB)}
         with Client.connect(f"unix:{daemon.socket}", timeout_s=60.0, **pipe) as shm, \
+                Client.connect(f"unix:{daemon.socket}", timeout_s=60.0, write_behind=True, **pipe) as behind, \
                 Client.connect(daemon.tcp, token=daemon.token(), timeout_s=60.0) as tcp:
             assert shm.session is not None and shm.session.shm is not None, "unix socket without segments"
             for nbytes in sizes:
-                result.rows += _block_rows(shm, tcp, nbytes, ws, batch, reps, args.memcpy_threads)
+                result.rows += _block_rows(shm, behind, tcp, nbytes, ws, batch, reps, args.memcpy_threads)
             result.rows += _lookup_rows(shm, tcp, args.lookup_keys, calls, reps)
     return result
 
@@ -138,7 +143,7 @@ def _batches(n: int, per: int) -> list[range]:
     return [range(i, min(n, i + per)) for i in range(0, n, per)]
 
 
-def _block_rows(shm: Client, tcp: Client, nbytes: int, ws: int, batch: int, reps: int,
+def _block_rows(shm: Client, behind: Client, tcp: Client, nbytes: int, ws: int, batch: int, reps: int,
                 threads: int) -> list[Row]:
     n = max(2, ws // nbytes)
     label = f"{nbytes / MIB:g}MiB"
@@ -174,6 +179,7 @@ def _block_rows(shm: Client, tcp: Client, nbytes: int, ws: int, batch: int, reps
                 for b in blocks:
                     out = client.save(NS, b)
                     assert out == ["stored"] * len(b), f"bench save answered {set(out)}"
+                client.flush()  # write-behind: every commit confirmed (a no-op otherwise)
             client.delete(NS, hashes)  # untimed: the next repetition stores new blocks again
             return gbps(n * nbytes, t.seconds)
         return once
@@ -192,9 +198,9 @@ def _block_rows(shm: Client, tcp: Client, nbytes: int, ws: int, batch: int, reps
 
     base_name = f"torch copy_ ({threads} thread{'s' if threads > 1 else ''})"
     rows = []
-    for name, client in (("shm", shm), ("tcp", tcp)):
+    for name, client, suffix in (("shm", shm, ""), ("shm", behind, ", write-behind"), ("tcp", tcp, "")):
         kv, base = alternate(put(client), memcpy, repetitions=reps)
-        rows.append(throughput_row(f"{name} put {label}", "throughput", "GB/s", kv, base_name, base))
+        rows.append(throughput_row(f"{name} put {label}{suffix}", "throughput", "GB/s", kv, base_name, base))
     _rekey(records, hashes, b"get")
     for g in groups:  # untimed: what the gets read
         shm.save(NS, [(hashes[i], records[i]) for i in g])

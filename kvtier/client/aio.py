@@ -26,7 +26,8 @@ from kvtier.client.address import Address, parse_address
 from kvtier.client.aio_transport import AsyncConnection, Sent
 from kvtier.client.api import ClientBase, FlowFactory, degrade_error
 from kvtier.client.errors import ConnectionLost, TimedOut
-from kvtier.client.calls import Await, Call, Flow, Ticket
+from kvtier.client.behind import LateErrors
+from kvtier.client.calls import BLIND_OPS, Await, Call, Flow, Ticket
 from kvtier.client.flows import NO_HITS, LookupResult
 from kvtier.client.options import ClientOptions
 from kvtier.client.session import Session
@@ -59,6 +60,7 @@ class AsyncClient(ClientBase):
         self._conn: AsyncConnection | None = None
         self._connect_lock = asyncio.Lock()
         self._closed = False
+        self._late = LateErrors()  # write-behind failures of connections already replaced
 
     @classmethod
     async def connect(cls, address: str | Address, options: ClientOptions | None = None,
@@ -95,6 +97,7 @@ class AsyncClient(ClientBase):
             if conn is None or conn.closed:
                 if conn is not None:
                     await conn.close()  # unmap the old segments before mapping the new ones
+                    self._late.absorb(conn.late)
                 self._conn = None
                 self._conn = conn = await AsyncConnection.open(self.address, self.options)
             return conn
@@ -166,6 +169,10 @@ class AsyncClient(ClientBase):
                 committed[0] = committed[0] or step.commits
                 request = None
                 try:
+                    if conn.kept and step.op not in BLIND_OPS:
+                        await conn.settle()  # read your own writes: their commits first
+                    elif conn.kept > conn.session.limits.max_inflight // 4:
+                        await conn.settle(keep_last=conn.kept // 2)
                     request = await conn.send(step)
                     if step.wait:
                         reply = await conn.receive(request)
@@ -177,9 +184,12 @@ class AsyncClient(ClientBase):
                     sent[reply] = (step, request)
         finally:
             flow.close()
-            for _, request in sent.values():  # tickets never awaited: answers dropped, leases released
+            for call, request in sent.values():  # tickets never awaited: answers dropped, leases released
                 if request is not None:
-                    conn.forget(request)
+                    if call.behind:  # ... except write-behind commits: claimed later
+                        conn.keep(request)
+                    else:
+                        conn.forget(request)
 
     # -- operations (see kvtier.client.Client for the full documentation) -------------------
 
@@ -252,12 +262,41 @@ class AsyncClient(ClientBase):
         """Round-trip time of one ping, in seconds (connecting first if needed)."""
         return await self._run(self._ping_flow(), idempotent=True)
 
+    async def _settle(self, conn: AsyncConnection) -> None:
+        """Claim every write-behind commit's answer, within ``timeout_s``."""
+        if conn.kept and not conn.closed:
+            try:
+                async with asyncio.timeout(self.options.timeout_s):
+                    await conn.settle()
+            except (KVTierError, TimeoutError):
+                pass  # recorded as late by the connection (a timeout: the rest stay kept)
+
+    async def flush(self) -> None:
+        """Wait until every write-behind save so far is committed (``ClientOptions.write_behind``),
+        and raise the first commit refused since the last flush (see :meth:`Client.flush`)."""
+        conn = self._conn
+        if conn is not None:
+            await self._settle(conn)
+            self._late.absorb(conn.late)
+        late = self._late.take()
+        if late:
+            raise late[0]
+
+    @property
+    def late_failures(self) -> int:
+        """Write-behind commits that failed after their save returned, since the client was made."""
+        conn = self._conn
+        return self._late.total + (conn.late.total if conn is not None else 0)
+
     async def close(self) -> None:
-        """Close the connection and unmap the segments; later calls raise Unavailable."""
+        """Close the connection and unmap the segments; later calls raise Unavailable.
+        Write-behind commits still unanswered are waited for first (within ``timeout_s``)."""
         self._closed = True
         conn, self._conn = self._conn, None
         if conn is not None:
+            await self._settle(conn)
             await conn.close()
+            self._late.absorb(conn.late)
 
     async def __aenter__(self) -> AsyncClient:
         return self

@@ -28,6 +28,7 @@ from kvtier_protocol.frames import (DEFAULT_LIMITS, Frame, FrameDecoder, Respons
 
 from kvtier.client.address import Address
 from kvtier.client.errors import ConnectionLost, TimedOut, Unreachable
+from kvtier.client.behind import LateErrors
 from kvtier.client.calls import LEASE_OPS, Call
 from kvtier.client.options import ClientOptions
 from kvtier.client.session import MAX_FDS, Session, hello_keys, open_session
@@ -105,6 +106,8 @@ class AsyncConnection:
         self._pending: dict[int, tuple[str, asyncio.Future[Frame]] | None] = {}
         self._slots = asyncio.Semaphore(session.limits.max_inflight)
         self._error: BaseException | None = None
+        self._kept: list[Sent] = []  # write-behind commits whose answers are claimed later, oldest first
+        self.late = LateErrors()  # what became of refused or lost write-behind commits
         self._task = asyncio.get_running_loop().create_task(self._read_loop())
 
     @classmethod
@@ -157,6 +160,37 @@ class AsyncConnection:
     def closed(self) -> bool:
         """True once the connection broke or was closed."""
         return self._error is not None
+
+    @property
+    def kept(self) -> int:
+        """Write-behind commits whose answers are still to be claimed."""
+        return len(self._kept)
+
+    def keep(self, sent: Sent) -> None:
+        """Claim the answer of write-behind commit ``sent`` later, in :meth:`settle`."""
+        if self._error is None:
+            self._kept.append(sent)
+
+    async def settle(self, keep_last: int = 0) -> None:
+        """Claim the answers of the kept commits, all but the newest ``keep_last``; a refused
+        one is recorded in :attr:`late`.
+
+        Raises:
+            ConnectionLost: the connection broke (the commits not answered are recorded in
+                :attr:`late` as unknown).
+        """
+        while len(self._kept) > keep_last:
+            sent = self._kept.pop(0)
+            try:
+                await self.receive(sent)
+            except KVTierError as exc:
+                if self._error is None:  # the daemon refused this commit; the stream is fine
+                    self.late.add(exc, "its blocks are not stored")
+                    continue
+                self.late.add(exc, f"{len(self._kept) + 1} commits unanswered; their blocks may "
+                                   "or may not be stored")
+                self._kept.clear()
+                raise
 
     async def call(self, call: Call) -> Response:
         """Send one request and await its typed response.
@@ -272,6 +306,10 @@ class AsyncConnection:
         if self._error is not None:
             return
         self._error = error
+        if self._kept:  # answers nobody will claim now: those commits may or may not have landed
+            self.late.add(_fresh(error) if isinstance(error, KVTierError) else ConnectionLost(str(error)),
+                          f"{len(self._kept)} commits unanswered; their blocks may or may not be stored")
+            self._kept.clear()
         pending, self._pending = self._pending, {}
         for entry in pending.values():
             if entry is not None and not entry[1].done():

@@ -10,7 +10,9 @@ A flow is a generator: it yields steps and receives, for each, what the driver g
 Requests sent without waiting let a flow overlap the daemon's work and the round trips with its
 own copies (SPEC.md §7: many requests may be in flight on one connection, answered in any
 order). A ticket the flow never awaits is *forgotten* by the driver when the flow ends: its
-answer is read and dropped, and a lease it grants (``reserve``, ``acquire``) is released.
+answer is read and dropped, and a lease it grants (``reserve``, ``acquire``) is released, unless
+the call was sent ``behind``: then the connection *keeps* it and claims its answer later
+(write-behind commits, ``ClientOptions.write_behind``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,16 @@ Ticket = NewType("Ticket", int)
 LEASE_OPS = ("acquire", "reserve")
 """Requests whose answer grants a lease: a forgotten answer of one is released."""
 
+BLIND_OPS = frozenset({"reserve", "commit", "release", "ping"})
+"""Requests that may travel while write-behind commits are unanswered: none of them reads what
+a commit changes (a reserve of a key being committed answers "exists", as it would after). Every
+other request first waits for those answers, so that a client reads its own writes."""
+
+JUMP_OPS = frozenset({"reserve", "acquire"})
+"""Requests written ahead of the deferred ones still held back (commits, releases): the daemon
+then grants the slots the client waits for first, and does the deferred work while the client
+copies. An acquire never passes a commit: reads wait for commits first (:data:`BLIND_OPS`)."""
+
 
 @dataclass(frozen=True, slots=True)
 class Call:
@@ -46,8 +58,11 @@ class Call:
             error sending it is thrown in then); the response is claimed with :class:`Await`.
         defer: (with ``wait=False``) the request may be held back and written together with the
             next one (one write, one wake-up of the daemon for both); it is written at the latest
-            before the driver waits for an answer or the flow ends. For requests nothing waits
-            on soon: releases, commits.
+            before the driver waits for an answer or the flow ends (a ``behind`` commit: within
+            ``kvtier.client.behind.FLUSH_AFTER_S`` of it). For requests nothing waits on soon: releases, commits.
+        behind: (with ``wait=False``) the flow never claims the answer: the connection keeps it
+            and claims it before the next request that reads (:data:`BLIND_OPS`), or on
+            ``flush``/``close``. Write-behind commits only.
     """
 
     op: str
@@ -57,6 +72,7 @@ class Call:
     commits: bool = False
     wait: bool = True
     defer: bool = False
+    behind: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,6 +50,14 @@ class ClientOptions:
             sub-batch of a pipelined save or load, whose requests travel while the client copies
             another sub-batch (kvtier.client.pipeline; :data:`PIPELINE_BYTES` is a good value
             where the daemon has an idle core).
+        write_behind: False (default): a save over shared memory returns once the daemon
+            answered its commit, so ``"stored"`` is final. True: it returns once the payloads are
+            in shared memory and the commit is on its way; the commit's answer is claimed later
+            (kvtier.client.pipeline), so the daemon makes the blocks visible while the caller
+            goes on. Reads on the same client (lookup, load, delete, stats...) still see every
+            earlier save: they first wait for the commits still unanswered. A commit the daemon
+            refuses later is logged, counted and raised by ``flush()``; its blocks are then
+            simply not stored (a miss later, never a wrong hit).
     """
 
     token: str | None = field(default=None, repr=False)
@@ -62,6 +70,7 @@ class ClientOptions:
     lease_ms: int = DEFAULT_LEASE_MS
     verify: str = "auto"
     pipeline_bytes: int = 0
+    write_behind: bool = False
 
     def __post_init__(self) -> None:
         for name in ("token", "tenant"):
@@ -85,5 +94,7 @@ class ClientOptions:
         if type(self.pipeline_bytes) is not int or self.pipeline_bytes < 0:
             raise InvalidRequest(f"client option pipeline_bytes must be an integer >= 0, "
                                  f"got {self.pipeline_bytes!r}")
+        if type(self.write_behind) is not bool:
+            raise InvalidRequest(f"client option write_behind must be a bool, got {self.write_behind!r}")
         if type(self.lease_ms) is not int or self.lease_ms < 1:
             raise InvalidRequest(f"client option lease_ms must be a positive integer, got {self.lease_ms!r}")

@@ -13,6 +13,16 @@ instead of alternating with round trips and the daemon's bookkeeping::
            acquire 1 ─┴─ copy 0 ─ release 0 ─┐           (releases are never waited for:
            acquire 2 ───────────── copy 1 ─ release 1 ... a lost one expires on its own)
 
+**Write-behind** (``ClientOptions.write_behind``): a save's commits are sent ``behind`` and never
+awaited by the save, which returns once the last payload is in shared memory. The connection
+claims their answers before the client's next request that reads (kvtier.client.calls.BLIND_OPS),
+so a client always reads its own writes, and holds the last commit back until the next request
+(or ``FLUSH_AFTER_S``): the next save's reserve is then written first, in the same write, and the
+daemon grants its slots before it makes the previous blocks visible, while the client copies::
+
+    save k:    reserve k ── copy k ── commit k (held back)
+    save k+1:  [reserve k+1, commit k] ── copy k+1 ── commit k+1 (held back) ...
+
 Results, their order and errors are those of the one-request-at-a-time flow: the daemon answers
 requests in any order, but the flow claims every answer it needs by ticket (kvtier.client.calls),
 and no request it sends depends on another still in flight (a commit or release follows the
@@ -101,6 +111,7 @@ def reserve_commit_flow(s: Session, ns_id: bytes, records: list[Record], extras:
     if not batches:
         return []
     piped = _piped(s)
+    behind = s.write_behind
     window = min(COMMITS_IN_FLIGHT, s.limits.max_inflight - 3) if piped else 0
     results: list[str] = []
     commits: list[Ticket] = []
@@ -131,7 +142,9 @@ def reserve_commit_flow(s: Session, ns_id: bytes, records: list[Record], extras:
             for name, values in extras.items():
                 if values is not None:
                     keys[name] = [v if h is not None else None for v, h in zip(values[lo:hi], headers)]
-            commits.append((yield Call("commit", keys, commits=True, wait=False, defer=True)))
+            ticket = yield Call("commit", keys, commits=True, wait=False, defer=True, behind=behind)
+            if not behind:
+                commits.append(ticket)
             if len(commits) > window:
                 yield Await(commits.pop(0))
         elif r.lease:
@@ -141,7 +154,7 @@ def reserve_commit_flow(s: Session, ns_id: bytes, records: list[Record], extras:
             ahead = yield _reserve(s, ns_id, records[slice(*batches[k + 1])], priority)
     for ticket in commits:  # every commit's answer: a refused one raises its typed error
         yield Await(ticket)
-    return results
+    return results  # write-behind: the connection claims the commits' answers later
 
 
 def _acquire(s: Session, ns_id: bytes, chunk: Sequence[bytes]) -> Call:

@@ -34,6 +34,7 @@ class Session:
         lease_ms: lease lifetime asked for reservations and pins, within ``limits.max_lease_ms``.
         trust_checked: skip hashing slots the daemon reports checked (``ClientOptions.verify``).
         pipeline_bytes: payload bytes per pipelined sub-batch, 0: none (``ClientOptions``).
+        write_behind: saves do not wait for their commits' answers (``ClientOptions``).
     """
 
     server: str
@@ -42,6 +43,7 @@ class Session:
     lease_ms: int
     trust_checked: bool = False
     pipeline_bytes: int = 0
+    write_behind: bool = False
 
     def close(self) -> None:
         """Unmap the segments (idempotent)."""
@@ -83,4 +85,5 @@ def open_session(response: HelloResponse, fds: Sequence[int], options: ClientOpt
             os.close(fd)
     lease_ms = min(options.lease_ms, response.limits.max_lease_ms)
     return Session(server=response.server, limits=response.limits, shm=shm, lease_ms=lease_ms,
-                   trust_checked=options.verify == "auto", pipeline_bytes=options.pipeline_bytes)
+                   trust_checked=options.verify == "auto", pipeline_bytes=options.pipeline_bytes,
+                   write_behind=options.write_behind)

@@ -26,7 +26,8 @@ from kvtier.client import retry
 from kvtier.client.address import Address, parse_address
 from kvtier.client.api import ClientBase, degrade_error
 from kvtier.client.errors import ConnectionLost
-from kvtier.client.calls import Await, Call, Flow, Ticket
+from kvtier.client.behind import DeferredFlush, LateErrors
+from kvtier.client.calls import BLIND_OPS, Await, Call, Flow, Ticket
 from kvtier.client.flows import NO_HITS, LookupResult
 from kvtier.client.options import ClientOptions
 from kvtier.client.session import Session
@@ -59,6 +60,8 @@ class Client(ClientBase):
         self._conn: BlockingConnection | None = None
         self._lock = threading.RLock()
         self._closed = False
+        self._late = LateErrors()  # write-behind failures of connections already replaced
+        self._flusher = DeferredFlush(self._flush_held)
 
     @classmethod
     def connect(cls, address: str | Address, options: ClientOptions | None = None, **kwargs: Any) -> Client:
@@ -96,6 +99,7 @@ class Client(ClientBase):
         if conn is None or conn.closed:
             if conn is not None:
                 conn.close()  # unmap the old segments before mapping the new ones
+                self._keep_late(conn)
             self._conn = None
             self._conn = conn = BlockingConnection.open(self.address, self.options, deadline)
         return conn
@@ -103,6 +107,39 @@ class Client(ClientBase):
     def _drop(self) -> None:
         if self._conn is not None:
             self._conn.close()
+            self._keep_late(self._conn)
+
+    def _keep_late(self, conn: BlockingConnection) -> None:
+        self._late.absorb(conn.late)
+
+    def _settle(self, conn: BlockingConnection) -> None:
+        """Write held-back requests and claim every write-behind commit's answer (lock held)."""
+        if conn.closed or not (conn.kept or conn.holding):
+            return
+        deadline = time.monotonic() + self.options.timeout_s
+        try:
+            conn.flush(deadline)
+            conn.settle(deadline)
+        except KVTierError:
+            pass  # recorded as late by the connection
+
+    def _flush_held(self) -> None:
+        """Write held-back write-behind commits that no request took along (DeferredFlush).
+
+        Not while a call runs: it takes them along, or holds its own and arms the flush again
+        when it ends (a flush queued behind it would write them before the next save's reserve).
+        """
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            conn = self._conn
+            if conn is not None and conn.holding:
+                try:
+                    conn.flush(time.monotonic() + self.options.timeout_s)
+                except KVTierError:
+                    pass  # closed by flush, its commits recorded as unknown when it is replaced
+        finally:
+            self._lock.release()
 
     def _run(self, make_flow: Callable[[Session], Flow[T]], *, idempotent: bool,
              degrade: bool = False, fallback: Any = None) -> T:
@@ -123,6 +160,9 @@ class Client(ClientBase):
                     return fallback
                 raise
             self._holddown.reset()
+            conn = self._conn
+            if conn is not None and conn.holding:
+                self._flusher.arm()  # a write-behind commit waits for the next request, not long
             return result
 
     def _attempts(self, make_flow: Callable[[Session], Flow[T]], idempotent: bool) -> T:
@@ -166,6 +206,10 @@ class Client(ClientBase):
                 committed[0] = committed[0] or step.commits
                 ident = None
                 try:
+                    if conn.kept and step.op not in BLIND_OPS:
+                        conn.settle(deadline)  # read your own writes: their commits first
+                    elif conn.kept > conn.session.limits.max_inflight // 4:  # type: ignore[union-attr]
+                        conn.settle(deadline, keep_last=conn.kept // 2)
                     ident = conn.send(step, deadline)
                     if step.wait:
                         reply = conn.receive(ident, deadline)
@@ -177,10 +221,16 @@ class Client(ClientBase):
                     sent[reply] = (step, ident)
         finally:
             flow.close()
-            for _, ident in sent.values():  # tickets never awaited: answers dropped, leases released
-                if ident is not None:
+            held = False
+            for call, ident in sent.values():  # tickets never awaited: answers dropped, leases released
+                if ident is None:
+                    continue
+                if call.behind:  # ... except write-behind commits: claimed later, held back a while
+                    conn.keep(ident)
+                    held = True
+                else:
                     conn.forget(ident, deadline)
-            if not conn.closed:
+            if not conn.closed and not held:
                 try:
                     conn.flush(deadline)  # deferred requests (releases, commits) leave with the call
                 except KVTierError:
@@ -284,9 +334,40 @@ class Client(ClientBase):
         """Round-trip time of one ping, in seconds (connecting first if needed)."""
         return self._run(self._ping_flow(), idempotent=True)
 
-    def close(self) -> None:
-        """Close the connection and unmap the segments; later calls raise Unavailable."""
+    def flush(self) -> None:
+        """Wait until every write-behind save so far is committed (``ClientOptions.write_behind``),
+        and raise the first commit refused since the last flush. Without write-behind, a no-op.
+
+        Raises:
+            KVTierError: the typed error of a refused commit (its blocks are not stored), or
+                ConnectionLost when the connection broke with commits unanswered (their blocks
+                may or may not be stored). Either way the client stays usable.
+        """
         with self._lock:
+            conn = self._conn
+            if conn is not None:
+                self._settle(conn)
+                self._keep_late(conn)
+            late = self._late.take()
+        if late:
+            raise late[0]
+
+    @property
+    def late_failures(self) -> int:
+        """Write-behind commits that failed after their save returned, since the client was made."""
+        conn = self._conn
+        return self._late.total + (conn.late.total if conn is not None else 0)
+
+    def close(self) -> None:
+        """Close the connection and unmap the segments; later calls raise Unavailable.
+
+        Write-behind commits still unanswered are waited for first (within ``timeout_s``), so
+        that a client closed right after a save has its blocks stored.
+        """
+        self._flusher.close()
+        with self._lock:
+            if self._conn is not None:
+                self._settle(self._conn)
             self._closed = True
             self._drop()
             self._conn = None

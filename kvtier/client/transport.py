@@ -3,7 +3,8 @@
 A request is sent (:meth:`BlockingConnection.send`, returning its id) and its answer read when it
 is claimed (:meth:`~BlockingConnection.receive`); answers to other requests read on the way are
 kept until claimed, and those of forgotten requests are dropped (a lease they grant released).
-:meth:`~BlockingConnection.call` is the two at once.
+:meth:`~BlockingConnection.call` is the two at once. Write-behind commits are *kept*
+(:meth:`~BlockingConnection.keep`) and their answers claimed later (:meth:`~BlockingConnection.settle`).
 
 No event loop: frames are written with ``sendmsg`` (header and payload buffers gathered, not
 joined) and read with ``recv_into`` into buffers sized from the preamble, after its lengths were
@@ -29,7 +30,8 @@ from kvtier_protocol.frames import (DEFAULT_LIMITS, PREAMBLE_LEN, Buffer, Frame,
 
 from kvtier.client.address import Address
 from kvtier.client.errors import ConnectionLost, TimedOut, Unreachable
-from kvtier.client.calls import LEASE_OPS, Call
+from kvtier.client.behind import LateErrors
+from kvtier.client.calls import JUMP_OPS, LEASE_OPS, Call
 from kvtier.client.options import ClientOptions
 from kvtier.client.retry import remaining_s
 from kvtier.client.session import MAX_FDS, Session, hello_keys, open_session
@@ -77,6 +79,8 @@ class BlockingConnection:
         self._arrived: dict[int, Frame] = {}  # answers read while waiting for another one
         self._forgotten: set[int] = set()  # ids whose answers are dropped when they arrive
         self._outbox: list[Buffer] = []  # frames of deferred requests, written with the next write
+        self._kept: list[int] = []  # write-behind commits whose answers are claimed later, oldest first
+        self.late = LateErrors()  # what became of refused or lost write-behind commits
         self.session: Session | None = None
 
     @classmethod
@@ -102,6 +106,16 @@ class BlockingConnection:
     def closed(self) -> bool:
         """True once the connection broke or was closed."""
         return self._sock is None
+
+    @property
+    def kept(self) -> int:
+        """Write-behind commits whose answers are still to be claimed."""
+        return len(self._kept)
+
+    @property
+    def holding(self) -> bool:
+        """True while deferred requests wait to be written."""
+        return bool(self._outbox)
 
     def _hello(self, options: ClientOptions, deadline: float) -> None:
         ident = next(self._ids)
@@ -161,8 +175,11 @@ class BlockingConnection:
         self._live()
         ident = next(self._ids)
         # a request above the limits: the caller's error, raised before anything is queued
-        self._outbox += encode_frame({"op": call.op, "id": ident, **call.keys}, call.payload,
-                                     limits=session.limits)
+        frame = encode_frame({"op": call.op, "id": ident, **call.keys}, call.payload, limits=session.limits)
+        if call.op in JUMP_OPS:
+            self._outbox[:0] = frame  # ahead of held-back commits and releases (calls.JUMP_OPS)
+        else:
+            self._outbox += frame
         self._inflight[ident] = call.op
         if not call.defer:
             self.flush(deadline)
@@ -221,6 +238,32 @@ class BlockingConnection:
             self._drop(ident, frame, deadline)
         except KVTierError:
             self.close()
+
+    def keep(self, ident: int) -> None:
+        """Claim the answer of write-behind commit ``ident`` later, in :meth:`settle`."""
+        if ident in self._inflight and self._sock is not None:
+            self._kept.append(ident)
+
+    def settle(self, deadline: float, keep_last: int = 0) -> None:
+        """Claim the answers of the kept commits, all but the newest ``keep_last``; a refused
+        one is recorded in :attr:`late`.
+
+        Raises:
+            ConnectionLost, TimedOut: the connection broke (it is closed then, and the commits
+                not answered are recorded in :attr:`late` as unknown).
+        """
+        while len(self._kept) > keep_last:
+            ident = self._kept.pop(0)
+            try:
+                self.receive(ident, deadline)
+            except KVTierError as exc:
+                if self._sock is not None:  # the daemon refused this commit; the stream is fine
+                    self.late.add(exc, "its blocks are not stored")
+                    continue
+                self.late.add(exc, f"{len(self._kept) + 1} commits unanswered; their blocks may "
+                                   "or may not be stored")
+                self._kept.clear()
+                raise
 
     def _read_until(self, ident: int, limits: Limits, deadline: float) -> Frame:
         while True:
@@ -341,5 +384,9 @@ class BlockingConnection:
         self._arrived.clear()
         self._forgotten.clear()
         self._outbox.clear()
+        if self._kept:
+            self.late.add(ConnectionLost("the connection closed"),
+                          f"{len(self._kept)} commits unanswered; their blocks may or may not be stored")
+            self._kept.clear()
         if self.session is not None:
             self.session.close()

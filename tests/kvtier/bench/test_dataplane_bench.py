@@ -46,6 +46,7 @@ def test_quick_dataplane_bench_writes_json(registered: Path, tmp_path: Path) -> 
     for size in ("0.25MiB", "1MiB"):
         for path in ("shm", "tcp"):
             assert f"{path} put {size}" in cases and f"{path} get {size}" in cases
+        assert f"shm put {size}, write-behind" in cases  # pipelined and write-behind at once here
     for sock in ("unix socket", "tcp"):
         assert [(r["metric"], r["baseline_name"]) for r in doc["rows"]
                 if r["case"] == f"lookup 64 keys, {sock}, vs ping"] == [

@@ -42,6 +42,7 @@ class Peer:
         self.leases: dict[int, list[tuple[bytes, bytes, tuple[int, int, int]] | None]] = {}
         self.lease_ids = itertools.count(1)
         self.ops: Counter[str] = Counter()  # requests seen, by op
+        self.arrivals: list[str] = []  # ops of the requests after hello, in the order they were read
         self.delays: dict[str, float] = {}  # op -> seconds to wait before answering
         self.stalled = threading.Event()  # set: requests after hello are never answered
         self.drop_on: set[str] = set()  # ops whose next request aborts the connection unanswered
@@ -144,6 +145,7 @@ class Peer:
     async def _answer(self, frame: F.Frame, writer: asyncio.StreamWriter, unix: bool, owned: set[int]) -> None:
         op = frame.op or "?"
         self.ops[op] += 1
+        self.arrivals.append(op)
         if self.stalled.is_set():
             return
         if op in self.drop_on:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import mmap
 import socket
 import time
 from typing import TYPE_CHECKING, Any
@@ -26,7 +27,9 @@ from kvtier_protocol import frames as fr
 from kvtier_protocol.errors import (Busy, InvalidRequest, KVTierError, ProtocolError, Truncated,
                                     Unauthorized, UnsupportedVersion)
 
+from kvtier.buffers import PayloadBuffers
 from kvtier.server.handlers import RequestHandler, Session
+from kvtier.server.stream import FrameStream
 from kvtier.server.tenancy import hello_scope
 
 if TYPE_CHECKING:
@@ -35,8 +38,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-READ_CHUNK_BYTES = 1 << 20  # payloads above this are read chunk by chunk into one buffer
 MUTATING_OPS = ("delete", "clear")  # need the token over TCP (SPEC §7.4)
+POOLED_PAYLOAD_BYTES = 1 << 20  # payloads above this are read into a pooled buffer (buffers.py)
 FDS_SEND_TIMEOUT_S = 5.0  # how long the hello response may wait for room in the socket buffer
 JOIN_WRITE_BYTES = 1 << 20  # frames up to this size are written with one joined buffer
 _serial = itertools.count(1)  # connection numbers, for logs
@@ -53,20 +56,22 @@ class Connection:
         ctx: the daemon's shared state.
         handler: the operations.
         limits: the limits announced in hello and applied to every frame.
-        reader, writer: the stream.
+        reader, writer: the stream (payloads are read in place, :mod:`kvtier.server.stream`).
         tcp: a TCP connection (else a unix socket one).
         idle_timeout_s: silence after which the connection is closed.
+        buffers: the daemon's pool of inline payload buffers.
     """
 
     def __init__(self, ctx: DaemonContext, handler: RequestHandler, limits: fr.Limits,
-                 reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, tcp: bool,
-                 idle_timeout_s: float, socket_requires_token: bool) -> None:
+                 reader: FrameStream, writer: asyncio.StreamWriter, *, tcp: bool,
+                 idle_timeout_s: float, socket_requires_token: bool, buffers: PayloadBuffers) -> None:
         self.ctx = ctx
         self.auth: Auth = ctx.auth
         self.handler = handler
         self.limits = limits
         self.reader = reader
         self.writer = writer
+        self.buffers = buffers
         self.session = Session(tcp=tcp)
         self.idle_timeout_s = idle_timeout_s
         # Over TCP the token is always required when one exists; on the socket when configured.
@@ -105,7 +110,7 @@ class Connection:
     async def _read_loop(self) -> None:
         while True:
             try:
-                frame = await self._read_frame()
+                frame, buf = await self._read_frame()
             except _Idle:
                 log.info("%s: closed after %.1f s idle", self.peer, self.idle_timeout_s)
                 return
@@ -122,19 +127,23 @@ class Connection:
             if frame is None:
                 return
             if not self.session.hello_done:
-                await self._serve_one(frame)  # nothing overlaps the hello and its descriptors
+                await self._serve_one(frame, buf)  # nothing overlaps the hello and its descriptors
             elif len(self._tasks) >= self.limits.max_inflight:
                 busy = Busy(f"more than {self.limits.max_inflight} requests in flight")
                 self.ctx.metrics.observe_request(_op_label(frame.op), busy.code, 0.0)
                 await self._send(fr.error_response(frame.id, busy, _known_op(frame.op)))
+                if buf is not None:
+                    self.buffers.give(buf)
             else:
-                task = asyncio.create_task(self._serve_one(frame))
+                task = asyncio.create_task(self._serve_one(frame, buf))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
+            frame = buf = None  # the request owns them now: no reference left here while it runs
 
-    async def _read_frame(self) -> fr.Frame | None:
+    async def _read_frame(self) -> tuple[fr.Frame | None, mmap.mmap | None]:
         """The next frame, as :func:`kvtier_protocol.frames.read_frame` reads it, with the idle
-        timeout on the wait for its first bytes (a cancelled wait consumes nothing)."""
+        timeout on the wait for its first bytes (a cancelled wait consumes nothing), and the
+        pooled buffer holding its payload, if one does (for :meth:`_serve_one` to give back)."""
         reader = self.reader
         while True:
             try:
@@ -143,27 +152,36 @@ class Connection:
                 break
             except asyncio.IncompleteReadError as exc:
                 if not exc.partial:
-                    return None
+                    return None, None
                 raise Truncated("stream ended inside a frame preamble") from exc
             except TimeoutError:
                 if not self._tasks:
                     raise _Idle from None
         # Both lengths are checked here, before anything more is read or allocated.
         header_len, payload_len, has_payload = fr.parse_preamble(preamble, self.limits)
+        buf = self.buffers.take(payload_len) if has_payload and payload_len > POOLED_PAYLOAD_BYTES else None
         try:
             async with asyncio.timeout(self.idle_timeout_s):
                 head = await reader.readexactly(header_len)
-                body = await _read_payload(reader, payload_len) if has_payload else None
-        except asyncio.IncompleteReadError as exc:
-            raise Truncated("stream ended inside a frame") from exc
-        except TimeoutError:
-            raise _Idle from None  # stalled inside a frame: the stream cannot be resumed
-        header = fr.decode_header(head)
-        return fr.Frame(header, memoryview(body).toreadonly() if body is not None else None)
+                if buf is not None:
+                    body: memoryview | None = memoryview(buf)[:payload_len]
+                    await reader.read_into(body)
+                else:
+                    body = memoryview(await reader.readexactly(payload_len)) if has_payload else None
+            header = fr.decode_header(head)
+        except BaseException as exc:
+            if buf is not None:
+                self.buffers.give(buf)
+            if isinstance(exc, asyncio.IncompleteReadError):
+                raise Truncated("stream ended inside a frame") from exc
+            if isinstance(exc, TimeoutError):
+                raise _Idle from None  # stalled inside a frame: the stream cannot be resumed
+            raise
+        return fr.Frame(header, body.toreadonly() if body is not None else None), buf
 
     # --- one request ---------------------------------------------------------------------------
 
-    async def _serve_one(self, frame: fr.Frame) -> None:
+    async def _serve_one(self, frame: fr.Frame, buf: mmap.mmap | None = None) -> None:
         started = time.perf_counter()
         op = _known_op(frame.op)
         status = "ok"
@@ -192,6 +210,8 @@ class Connection:
             await self._send(fr.error_response(frame.id, exc, op))
         finally:
             self.ctx.metrics.observe_request(_op_label(op), status, time.perf_counter() - started)
+            if buf is not None:
+                self.buffers.give(buf)  # reused once this request's views of it are gone
 
     def _check_allowed(self, req: fr.Request) -> None:
         session = self.session
@@ -328,25 +348,3 @@ def _op_label(op: str | None) -> str:
     return op if op in fr.REQUESTS else "unknown"
 
 
-async def _read_payload(reader: asyncio.StreamReader, n: int) -> bytes | bytearray:
-    """Exactly ``n`` bytes of a frame payload (``n`` already checked against the limits).
-
-    ``readexactly`` of a large payload grows the reader's buffer to ``n`` bytes (reallocating as
-    it grows, pausing the transport every 128 KiB) and then copies it out twice; reading what
-    arrives into one preallocated buffer copies each byte once more, while it is still in cache.
-
-    Raises:
-        asyncio.IncompleteReadError: the stream ended first.
-    """
-    if n <= READ_CHUNK_BYTES:
-        return await reader.readexactly(n)
-    body = bytearray(n)
-    got = 0
-    with memoryview(body) as view:
-        while got < n:
-            chunk = await reader.read(min(n - got, READ_CHUNK_BYTES))
-            if not chunk:
-                raise asyncio.IncompleteReadError(b"", n)  # only its type matters to the caller
-            view[got:got + len(chunk)] = chunk
-            got += len(chunk)
-    return body

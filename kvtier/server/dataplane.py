@@ -27,16 +27,19 @@ from kvtier_protocol import frames as fr
 from kvtier_protocol.errors import Busy, KVTierError, StorageError, Unavailable
 
 from kvtier.config import UNIX_PATH_MAX, split_hostport
+from kvtier.buffers import PayloadBuffers
 from kvtier.server.connection import Connection
 from kvtier.server.handlers import RequestHandler
+from kvtier.server.stream import FrameStream
 
 if TYPE_CHECKING:
     from kvtier.server.context import DaemonContext
 
 log = logging.getLogger(__name__)
 
-STREAM_LIMIT = 4 << 20  # StreamReader buffer high-water mark: large payloads arrive in big reads
+STREAM_LIMIT = 4 << 20  # bytes a connection buffers ahead of its reader before reading pauses
 BACKLOG = 512
+PAYLOAD_KEEP_BYTES = 256 << 20  # inline payload buffers kept for reuse across connections (buffers.py)
 ABORT_WAIT_S = 2.0  # after the drain timeout, how long cancelled requests get to unwind
 
 
@@ -55,7 +58,8 @@ class DataPlane:
                                 max_batch=min(self.cfg.max_batch, store_cfg.max_batch),
                                 max_lease_ms=max(1, int(store_cfg.max_lease_seconds * 1000)),
                                 max_inflight=self.cfg.max_inflight)
-        self.handler = RequestHandler(ctx, self.limits)
+        self.buffers = PayloadBuffers(PAYLOAD_KEEP_BYTES)
+        self.handler = RequestHandler(ctx, self.limits, self.buffers)
         self._servers: list[asyncio.Server] = []
         self._closed_servers: list[asyncio.Server] = []
         self._conns: dict[Connection, asyncio.Task[None] | None] = {}
@@ -115,6 +119,7 @@ class DataPlane:
                 await asyncio.wait_for(server.wait_closed(), ABORT_WAIT_S)
             except TimeoutError:
                 log.warning("a data-plane listener did not close in %.0f s", ABORT_WAIT_S)
+        self.buffers.close()
         self._remove_socket_file()
 
     # --- listeners -----------------------------------------------------------------------------
@@ -128,8 +133,9 @@ class DataPlane:
         try:
             _bind_private(sock, path)
             self._socket_path, self._socket_ino = path, os.stat(path).st_ino
-            server = await asyncio.start_unix_server(lambda r, w: self._accept(r, w, tcp=False), sock=sock,
-                                                     limit=STREAM_LIMIT, backlog=BACKLOG)
+            server = await asyncio.get_running_loop().create_unix_server(
+                lambda: FrameStream(STREAM_LIMIT, lambda r, w: self._accept(r, w, tcp=False)), sock=sock,
+                backlog=BACKLOG)
         except OSError as e:
             sock.close()
             raise StorageError(f"cannot listen on unix socket {path}: {e.strerror or e}") from e
@@ -141,8 +147,9 @@ class DataPlane:
 
     async def _start_tcp(self, listen: str) -> str:
         host, port = split_hostport(listen)
-        server = await asyncio.start_server(lambda r, w: self._accept(r, w, tcp=True), host, port,
-                                            limit=STREAM_LIMIT, backlog=BACKLOG)
+        server = await asyncio.get_running_loop().create_server(
+            lambda: FrameStream(STREAM_LIMIT, lambda r, w: self._accept(r, w, tcp=True)), host, port,
+            backlog=BACKLOG)
         self._servers.append(server)
         name = server.sockets[0].getsockname()
         shown = f"[{name[0]}]" if ":" in name[0] else name[0]
@@ -167,7 +174,7 @@ class DataPlane:
 
     # --- connections ---------------------------------------------------------------------------
 
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, tcp: bool) -> None:
+    async def _accept(self, reader: FrameStream, writer: asyncio.StreamWriter, *, tcp: bool) -> None:
         if self._stopping:
             await _refuse(writer, Unavailable("the daemon is shutting down"))
             return
@@ -176,7 +183,7 @@ class DataPlane:
             return
         conn = Connection(self.ctx, self.handler, self.limits, reader, writer, tcp=tcp,
                           idle_timeout_s=self.cfg.idle_timeout_s,
-                          socket_requires_token=self.cfg.socket_requires_token)
+                          socket_requires_token=self.cfg.socket_requires_token, buffers=self.buffers)
         self._conns[conn] = asyncio.current_task()
         self.ctx.metrics.connections(len(self._conns))
         try:

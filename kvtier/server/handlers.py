@@ -26,6 +26,7 @@ from kvtier_protocol.errors import (ChecksumMismatch, InvalidRequest, KVTierErro
 from kvtier_protocol.header import decode_header
 from kvtier_protocol.namespace import Namespace
 
+from kvtier.buffers import PayloadBuffers
 from kvtier.server.events import BlockTokens
 from kvtier.server.inline import check_records, copy_into, copy_out, run_sized
 from kvtier.store.results import PutStatus
@@ -74,9 +75,10 @@ class Session:
 class RequestHandler:
     """Executes validated requests (everything but hello) against the session's store."""
 
-    def __init__(self, ctx: DaemonContext, limits: fr.Limits) -> None:
+    def __init__(self, ctx: DaemonContext, limits: fr.Limits, buffers: PayloadBuffers) -> None:
         self.ctx = ctx
         self.limits = limits
+        self.buffers = buffers  # where get responses' records are copied (reused, buffers.py)
 
     def scope(self, session: Session) -> Scope:
         """The scope a session's requests go to (the default one until its hello chose another)."""
@@ -195,12 +197,19 @@ class RequestHandler:
                     break  # SPEC §7.4: records that no longer fit are answered nil, as if missing
                 budget -= size
                 todo.append((block.header, store.host.view(block.slot)))
-            parts = await run_sized(sum(v.nbytes for _, v in todo), copy_out, todo)
+            total = sum(len(h) + v.nbytes for h, v in todo)
+            payload: memoryview | bytes = b""
+            if total:
+                buf = self.buffers.take(total)
+                payload = memoryview(buf)[:total]
+                self.buffers.give(buf)  # handed out again only once the response's views are gone
+                await run_sized(total, copy_out, payload, todo)
+                payload = payload.toreadonly()
         finally:
             if got.lease_id:
                 store.release(got.lease_id)
         lens = tuple(len(h) + v.nbytes for h, v in todo) + (None,) * (len(req.hashes) - len(todo))
-        return fr.GetResponse(req.id, lens, payload=parts)
+        return fr.GetResponse(req.id, lens, payload=payload)
 
     # --- both paths ----------------------------------------------------------------------------
 

@@ -53,10 +53,12 @@ def copy_into(pairs: Sequence[tuple[memoryview, memoryview]]) -> None:
         dst[:] = src
 
 
-def copy_out(pairs: Sequence[tuple[bytes, memoryview]]) -> list[bytes]:
-    """``[header, payload copy, ...]``: the records of a get response, back to back."""
-    out: list[bytes] = []
+def copy_out(dst: memoryview, pairs: Sequence[tuple[bytes, memoryview]]) -> None:
+    """The records of a get response, back to back at the start of ``dst`` (header, then a copy
+    of the slot's payload, made before the lease ends: the slot may be reused after)."""
+    at = 0
     for header, view in pairs:
-        out.append(header)
-        out.append(bytes(view))  # copied before the lease ends: the slot may be reused after
-    return out
+        dst[at:at + len(header)] = header
+        at += len(header)
+        dst[at:at + view.nbytes] = view
+        at += view.nbytes

@@ -7,12 +7,12 @@ from collections.abc import Callable
 
 import pytest
 
-from kvtier.client import ClientOptions, ConnectionLost, TimedOut, parse_address
+from kvtier.client import Client, ClientOptions, ConnectionLost, TimedOut, parse_address
 from kvtier.client.flows import Call
 from kvtier.client.transport import BlockingConnection
 from kvtier_protocol.errors import FrameError, InvalidRequest, LeaseError, LimitExceeded
 from kvtier_protocol.frames import Limits
-from tests.kvtier.client.clientkit import NS_ID, key
+from tests.kvtier.client.clientkit import NS_ID, key, make_blocks
 from tests.kvtier.client.peer import Peer
 
 
@@ -78,3 +78,17 @@ def test_silence_and_hangups(peer: Peer) -> None:
     with pytest.raises(ConnectionLost):
         conn.call(Call("ping"), deadline())
     assert conn.closed
+
+
+def test_large_payloads_are_received_into_reused_buffers_that_never_change_a_kept_record(peer: Peer) -> None:
+    blocks = make_blocks(3, 2 << 20, tag=b"pooled")  # each get answer is above POOLED_PAYLOAD_BYTES
+    with Client(f"127.0.0.1:{peer.tcp_port}") as kv:
+        assert kv.save(NS_ID, blocks) == ["stored"] * 3
+        kept = kv.load(NS_ID, [blocks[0][0]], degrade=False)  # the caller keeps this record
+        for key, record in blocks[1:] * 2:  # later answers land in the pool's buffers
+            assert kv.load(NS_ID, [key], degrade=False) == [record]
+        assert kept == [blocks[0][1]]
+        dest = [bytearray(len(r)) for _, r in blocks]
+        headers = kv.load_into(NS_ID, [k for k, _ in blocks], dest, degrade=False)
+        assert [bytes(d[:h.payload_len]) for d, h in zip(dest, headers)] == [
+            r[len(r) - h.payload_len:] for (_, r), h in zip(blocks, headers)]

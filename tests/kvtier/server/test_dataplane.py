@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import socket
@@ -371,8 +372,25 @@ async def test_request_fields_and_token_keys_are_validated(tmp_path):
         ok(await peer.call("put", rec.record, **base, tokens=[list(rec.tokens)], unit_hashes=None))
 
 
-async def test_large_payload_read_in_chunks_and_a_stream_ending_inside_it(tmp_path):
-    big = 3 << 20  # above connection.READ_CHUNK_BYTES: read chunk by chunk into one buffer
+async def test_pooled_payload_buffers_carry_each_request_its_own_bytes(tmp_path):
+    big = 3 << 20  # above POOLED_PAYLOAD_BYTES: puts are read into, gets copied into, pooled buffers
+    async with open_plane(tmp_path, host_bytes=64 << 20) as p:
+        peers = [await p.connect(p.tcp, token=TOKEN) for _ in range(2)]
+        blocks = [big_record(big, seed=s) for s in range(6)]
+        for i, (key, record) in enumerate(blocks):  # one after the other: each reuses the last buffer
+            put = ok(await peers[i % 2].call("put", record, ns_id=BIG_NS_ID, hashes=[key], lens=[len(record)]))
+            assert put["results"] == ["stored"]
+        for i in range(0, len(blocks), 2):  # two gets at a time, one per connection
+            gets = await asyncio.gather(*(peers[j].call("get", ns_id=BIG_NS_ID, hashes=[blocks[i + j][0]])
+                                          for j in range(2)))
+            assert [bytes(g.payload) for g in gets] == [blocks[i][1], blocks[i + 1][1]]
+        both = await peers[0].call("get", ns_id=BIG_NS_ID, hashes=[k for k, _ in blocks[:2]])
+        assert bytes(both.payload) == blocks[0][1] + blocks[1][1]
+        assert p.plane.buffers.reused > 0  # the pool did hand buffers out again
+
+
+async def test_large_payload_read_in_place_and_a_stream_ending_inside_it(tmp_path):
+    big = 3 << 20  # above connection.POOLED_PAYLOAD_BYTES: received straight into a pooled buffer
     async with open_plane(tmp_path, host_bytes=16 << 20) as p:
         peer = await p.connect(p.tcp, token=TOKEN)
         key, record = big_record(big)

@@ -28,7 +28,7 @@ from kvtier_protocol.namespace import Namespace
 
 from kvtier.buffers import PayloadBuffers
 from kvtier.server.events import BlockTokens
-from kvtier.server.inline import check_records, copy_into, copy_out, run_sized
+from kvtier.server.inline import check_records, copy_checked, copy_out, run_sized
 from kvtier.store.results import PutStatus
 from kvtier.store.types import Slot
 
@@ -159,7 +159,7 @@ class RequestHandler:
 
     async def _put(self, req: fr.PutRequest, session: Session) -> fr.Message:
         records = req.records()
-        headers, payloads = await run_sized(sum(req.lens), check_records, req.ns_id, req.hashes, records)
+        headers, payloads, checksums = check_records(req.ns_id, req.hashes, records)
         tokens = self._token_info(req.hashes, headers, req.tokens, req.unit_hashes)
         scope = self.scope(session)
         store = scope.store
@@ -171,11 +171,14 @@ class RequestHandler:
         if res.lease_id:
             session.leases[res.lease_id] = PutLease(req.ns_id, req.hashes, tuple(reserved))
             try:
-                todo = [(store.host.view(slot), payload)
-                        for slot, payload, r in zip(res.slots, payloads, reserved) if r]
-                await run_sized(sum(len(p) for _, p in todo), copy_into, todo)
+                todo = [(store.host.view(slot), payload, checksum)
+                        for slot, payload, checksum, r in zip(res.slots, payloads, checksums, reserved) if r]
+                bad = await run_sized(sum(p.nbytes for _, p, _ in todo), copy_checked, todo)
+                if bad:  # the client's error (its records), as before copying: not a store failure
+                    raise ChecksumMismatch(f"put: {len(bad)} payloads do not match their header checksums; "
+                                           "nothing was stored")
                 ok = await _commit_all(store, res.lease_id, [h if r else None for h, r in zip(headers, reserved)],
-                                       req.ns_id, req.hashes)
+                                       req.ns_id, req.hashes, checked=True)
             except BaseException:
                 store.release(res.lease_id)
                 raise
@@ -291,13 +294,13 @@ def _maybe_register(store: TieredStore, ns_id: bytes, headers: Sequence[bytes | 
 
 
 async def _commit_all(store: TieredStore, lease_id: int, headers: Sequence[bytes | None], ns_id: bytes,
-                      hashes: Sequence[bytes]) -> list[bool]:
+                      hashes: Sequence[bytes], *, checked: bool = False) -> list[bool]:
     """store.commit, made all or nothing: if a written key fails (bad payload found by
     ``verify_on_commit``, failed write-through), the keys it did make visible are deleted."""
     cfg = store.config
     verified = cfg.verify_on_commit or cfg.write_through  # else commit cannot fail per key
     before = store.counters.checksum_failures if verified else 0
-    ok = await store.commit(lease_id, headers)
+    ok = await store.commit(lease_id, headers, checked=checked)
     failed = [i for i, buf in enumerate(headers) if buf is not None and not ok[i]]
     if not failed:
         return ok

@@ -1,5 +1,9 @@
 """The byte work of the inline (TCP) path: check put records, copy payloads into and out of host slots.
 
+A put's payloads are verified as they are copied into their slots, a chunk at a time, the hash
+reading each chunk of the slot just written while it is still in cache: one pass over memory
+fewer than checking the received record and then copying it, and what is verified is exactly the
+slot, so the store marks it checked at once (no background scrub pass later, no hash by readers).
 Large batches run on a worker thread (:func:`run_sized`), so one big put or get does not stall
 the event loop that serves every other connection.
 """
@@ -10,10 +14,13 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import xxhash
+
 from kvtier_protocol.errors import InvalidRequest
-from kvtier_protocol.header import split_record, verify_payload
+from kvtier_protocol.header import split_record
 
 COPY_IN_THREAD_BYTES = 4 << 20  # larger copies and checksums leave the event loop
+CHUNK = 256 << 10  # bytes copied, then hashed from the destination while still in cache
 
 
 async def run_sized(nbytes: int, fn: Callable[..., Any], *args: Any) -> Any:
@@ -24,33 +31,45 @@ async def run_sized(nbytes: int, fn: Callable[..., Any], *args: Any) -> Any:
 
 
 def check_records(ns_id: bytes, hashes: Sequence[bytes], records: Sequence[memoryview | None]
-                  ) -> tuple[list[bytes], list[memoryview]]:
-    """Decode and verify every record of a put before anything is stored.
+                  ) -> tuple[list[bytes], list[memoryview], list[int]]:
+    """Decode every record of a put before anything is stored (payloads are verified as they are
+    copied: :func:`copy_checked`).
 
     Returns:
-        Per key, the encoded header (what commit takes) and a view of the payload.
+        Per key, the encoded header (what commit takes), a view of the payload, and the
+        header's payload checksum.
 
     Raises:
         InvalidRequest: a record names another block than its key. What
-        :func:`~kvtier_protocol.header.split_record` and ``verify_payload`` raise (bad_header,
-        checksum_mismatch, truncated, ...).
+        :func:`~kvtier_protocol.header.split_record` raises (bad_header, checksum_mismatch for a
+        payload longer than the header says, truncated, ...).
     """
-    headers, payloads = [], []
+    headers, payloads, checksums = [], [], []
     for i, (key, record) in enumerate(zip(hashes, records)):
         assert record is not None, "validate_request refuses nil lens in a put"
         h, payload = split_record(record)
         if h.ns_id != ns_id or h.chain_hash != key:
             raise InvalidRequest(f"put: record {i} names another block than its key")
-        verify_payload(h, payload)
         headers.append(bytes(record[:record.nbytes - payload.nbytes]))
         payloads.append(payload)
-    return headers, payloads
+        checksums.append(h.checksum)
+    return headers, payloads, checksums
 
 
-def copy_into(pairs: Sequence[tuple[memoryview, memoryview]]) -> None:
-    """Copy each source payload into its destination slot view."""
-    for dst, src in pairs:
-        dst[:] = src
+def copy_checked(items: Sequence[tuple[memoryview, memoryview, int]]) -> list[int]:
+    """Copy each payload into its slot view and hash what landed there; the indexes of the
+    items whose xxh3-64 differs from their checksum (empty: every slot holds its payload)."""
+    bad = []
+    for i, (dst, src, checksum) in enumerate(items):
+        assert dst.nbytes == src.nbytes, "a slot of the payload's size"
+        digest = xxhash.xxh3_64()
+        for off in range(0, src.nbytes, CHUNK):
+            part = dst[off:off + CHUNK]
+            part[:] = src[off:off + CHUNK]
+            digest.update(part)
+        if digest.intdigest() != checksum:
+            bad.append(i)
+    return bad
 
 
 def copy_out(dst: memoryview, pairs: Sequence[tuple[bytes, memoryview]]) -> None:

@@ -279,13 +279,16 @@ class TieredStore:
             self.reclaim_expired()
             return await self.parts.writer.reserve(keys, list(sizes), ttl, priority, tier)
 
-    async def commit(self, lease_id: int, headers: Sequence[bytes | None]) -> list[bool]:
+    async def commit(self, lease_id: int, headers: Sequence[bytes | None], *, checked: bool = False) -> list[bool]:
         """Make reserved blocks visible, once their payloads are in their slots.
 
         Args:
             lease_id: from :meth:`reserve`.
             headers: one per key of the reservation, in its order: the encoded header of each
                 RESERVED key (None abandons that slot); ignored for other keys.
+            checked: the caller hashed each payload in its slot after writing it and found its
+                header's checksum (the daemon's inline put does, as it copies): the host copies
+                are marked checked now instead of being queued for the background scrub.
 
         Returns:
             Per key: True when this call made the block visible (with write-through: and on
@@ -304,8 +307,8 @@ class TieredStore:
         parsed = check.check_commit(lease.blocks, headers, self._namespaces)
         self._leases.pop(lease_id)  # from here on, expiry cannot reclaim these slots
         async with self._mutex:
-            ok = await self.parts.writer.commit(lease, headers, parsed)
-        if self._scrubber is not None:
+            ok = await self.parts.writer.commit(lease, headers, parsed, checked=checked)
+        if self._scrubber is not None and not checked:
             self._scrubber.submit(m for m, good in zip(lease.blocks, ok) if good and m is not None)
         return ok
 

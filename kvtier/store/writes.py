@@ -77,8 +77,9 @@ class BlockWriter:
         return Reservation(lease.lease_id, slots, status, lease.expires_at, tier)
 
     async def commit(self, lease: Lease[BlockMeta], headers: Sequence[bytes | None],
-                     parsed: Sequence[BlockHeader | None]) -> list[bool]:
-        """Commit the blocks of a put lease the caller already took out of the lease table.
+                     parsed: Sequence[BlockHeader | None], *, checked: bool = False) -> list[bool]:
+        """Commit the blocks of a put lease the caller already took out of the lease table
+        (``checked``: the caller verified every payload in its slot, see ``TieredStore.commit``).
 
         With ``verify_on_commit`` or write-through, each payload is copied out of its slot (host
         or GPU) and verified first; write-through then writes the verified copies to disk and
@@ -98,7 +99,7 @@ class BlockWriter:
                 self.counters.checksum_failures += 1
                 continue
             self.index.commit(meta, bytes(buf), h.parent_hash, h.num_tokens, h.checksum, now)
-            if verify and meta.host_slot is not None:
+            if (verify or checked) and meta.host_slot is not None:
                 self.index.mark_host_checked(meta)
             committed.append((meta, payload or b""))
         if cfg.write_through and committed:

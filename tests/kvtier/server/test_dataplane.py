@@ -14,6 +14,7 @@ from kvtier_protocol import frames as fr
 from kvtier_protocol.errors import StorageError
 
 from kvtier.store.shm import map_segment
+from kvtier.store.types import Tier
 from tests.kvtier.server.planekit import (BIG_NS_ID, BLOCK, NS, TOKEN, Plane, big_record, eventually,
                                           make_recs, open_plane)
 
@@ -117,6 +118,19 @@ async def test_put_is_all_or_nothing(tmp_path):
         assert err(swapped) == "invalid_request"
         assert p.store.lookup(NS.ns_id, [good.chain_hash]).num_hits == 0
         assert p.store.gauges().pending == 0 and p.store.gauges().leases == 0
+        assert p.store.gauges().tiers[Tier.HOST].used_bytes == 0  # the slots it was copied into are free again
+
+
+async def test_an_inline_put_is_checked_as_it_is_copied_so_readers_need_not_hash_it(tmp_path):
+    async with open_plane(tmp_path) as p:
+        tcp = await p.connect(p.tcp, token=TOKEN)
+        recs = make_recs(2, seed=11)
+        ok(await tcp.call("put", b"".join(r.record for r in recs), ns_id=NS.ns_id,
+                          hashes=[r.chain_hash for r in recs], lens=[len(r.record) for r in recs]))
+        unix = await p.connect(p.unix)
+        got = ok(await unix.call("acquire", ns_id=NS.ns_id, hashes=[r.chain_hash for r in recs]))
+        assert got["verified"] == [True, True]  # at once: no background scrub was needed
+        ok(await unix.call("release", lease=got["lease"]))
 
 
 async def test_tcp_needs_the_token_and_the_socket_does_not(tmp_path):

@@ -81,10 +81,10 @@ class PayloadBuffers:
 
 def _unexported(m: mmap.mmap) -> bool:
     """True when no buffer exported from ``m`` is alive (a resize to the same size is refused
-    while one is)."""
+    while one is). Where mmap cannot resize (not Linux), never: such mappings are not reused."""
     try:
         m.resize(len(m))
-    except BufferError:
+    except (BufferError, OSError, SystemError, ValueError):
         return False
     return True
 

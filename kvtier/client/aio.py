@@ -278,15 +278,7 @@ class AsyncClient(ClientBase):
         if conn is not None:
             await self._settle(conn)
             self._late.absorb(conn.late)
-        late = self._late.take()
-        if late:
-            raise late[0]
-
-    @property
-    def late_failures(self) -> int:
-        """Write-behind commits that failed after their save returned, since the client was made."""
-        conn = self._conn
-        return self._late.total + (conn.late.total if conn is not None else 0)
+        self._late.raise_first()
 
     async def close(self) -> None:
         """Close the connection and unmap the segments; later calls raise Unavailable.

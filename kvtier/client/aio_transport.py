@@ -184,13 +184,11 @@ class AsyncConnection:
             try:
                 await self.receive(sent)
             except KVTierError as exc:
-                if self._error is None:  # the daemon refused this commit; the stream is fine
-                    self.late.add(exc, "its blocks are not stored")
-                    continue
-                self.late.add(exc, f"{len(self._kept) + 1} commits unanswered; their blocks may "
-                                   "or may not be stored")
-                self._kept.clear()
-                raise
+                broken = self._error is not None  # else the daemon refused this commit, the stream is fine
+                self.late.answer_failed(exc, broken=broken, after=len(self._kept))
+                if broken:
+                    self._kept.clear()
+                    raise
 
     async def call(self, call: Call) -> Response:
         """Send one request and await its typed response.

@@ -79,6 +79,14 @@ class ClientBase:
 
     __slots__ = ()
 
+    @property
+    def late_failures(self) -> int:
+        """Write-behind commits that failed after their save returned, since the client was made
+        (``ClientOptions.write_behind``; ``flush()`` raises them)."""
+        conn = self._conn  # type: ignore[attr-defined]
+        total: int = self._late.total  # type: ignore[attr-defined]
+        return total + (conn.late.total if conn is not None else 0)
+
     @staticmethod
     def _lookup_flow(ns_id: bytes, hashes: Sequence[bytes]) -> FlowFactory:
         ns_id, keys = check_ns_id(ns_id), check_hashes(hashes)

@@ -42,6 +42,20 @@ class LateErrors:
         self._errors.append(exc)
         self.total += 1
 
+    def answer_failed(self, exc: KVTierError, *, broken: bool, after: int) -> None:
+        """Record a kept commit whose answer was ``exc``: refused by the daemon, or, when the
+        connection ``broken``, of unknown fate, like the ``after`` kept commits behind it."""
+        if broken:
+            self.add(exc, f"{after + 1} commits unanswered; their blocks may or may not be stored")
+        else:
+            self.add(exc, "its blocks are not stored")
+
+    def raise_first(self) -> None:
+        """Raise the oldest failure recorded since the last call (and forget them all)."""
+        errors = self.take()
+        if errors:
+            raise errors[0]
+
     def absorb(self, other: LateErrors) -> None:
         """Take over ``other``'s failures and count (a connection's, as it is replaced)."""
         self._errors += other.take()

@@ -22,19 +22,14 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-import xxhash
-
 from kvtier_protocol.errors import InvalidRequest, KVTierError
 from kvtier_protocol.frames import SlotRef
-from kvtier_protocol.header import BlockHeader, decode_header, split_record
+from kvtier_protocol.header import BlockHeader, copy_checksummed, decode_header, split_record
 
 from kvtier.client.flows import Flow, acquire_flow, fetch_flow
 from kvtier.client.session import Session
 
 log = logging.getLogger("kvtier.client")
-
-CHUNK = 256 * 1024
-"""Bytes copied then hashed at a time: small enough to stay in L2, large enough to amortise calls."""
 
 
 def check_buffers(buffers: Sequence[Any], num_keys: int) -> list[memoryview]:
@@ -64,15 +59,8 @@ def copy_plain(src: memoryview, dst: memoryview) -> None:
     dst[:] = src
 
 
-def copy_hashed(src: memoryview, dst: memoryview) -> int:
-    """Copy ``src`` into ``dst`` (same length) and return the xxh3-64 of the bytes written."""
-    assert src.nbytes == dst.nbytes, "copy_hashed copies equal lengths"
-    digest = xxhash.xxh3_64()
-    for off in range(0, src.nbytes, CHUNK):
-        part = dst[off:off + CHUNK]
-        part[:] = src[off:off + CHUNK]
-        digest.update(part)
-    return digest.intdigest()
+copy_hashed = copy_checksummed
+"""Copy ``src`` into ``dst`` (same length) and return the xxh3-64 of the bytes written."""
 
 
 def _header(ns_id: bytes, key: bytes, header: bytes | memoryview, payload_len: int) -> BlockHeader | None:

@@ -261,13 +261,11 @@ class BlockingConnection:
             try:
                 self.receive(ident, deadline)
             except KVTierError as exc:
-                if self._sock is not None:  # the daemon refused this commit; the stream is fine
-                    self.late.add(exc, "its blocks are not stored")
-                    continue
-                self.late.add(exc, f"{len(self._kept) + 1} commits unanswered; their blocks may "
-                                   "or may not be stored")
-                self._kept.clear()
-                raise
+                broken = self._sock is None  # else the daemon refused this commit, the stream is fine
+                self.late.answer_failed(exc, broken=broken, after=len(self._kept))
+                if broken:
+                    self._kept.clear()
+                    raise
 
     def _read_until(self, ident: int, limits: Limits, deadline: float) -> Frame:
         while True:

@@ -14,13 +14,10 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import xxhash
-
 from kvtier_protocol.errors import InvalidRequest
-from kvtier_protocol.header import split_record
+from kvtier_protocol.header import copy_checksummed, split_record
 
 COPY_IN_THREAD_BYTES = 4 << 20  # larger copies and checksums leave the event loop
-CHUNK = 256 << 10  # bytes copied, then hashed from the destination while still in cache
 
 
 async def run_sized(nbytes: int, fn: Callable[..., Any], *args: Any) -> Any:
@@ -59,17 +56,7 @@ def check_records(ns_id: bytes, hashes: Sequence[bytes], records: Sequence[memor
 def copy_checked(items: Sequence[tuple[memoryview, memoryview, int]]) -> list[int]:
     """Copy each payload into its slot view and hash what landed there; the indexes of the
     items whose xxh3-64 differs from their checksum (empty: every slot holds its payload)."""
-    bad = []
-    for i, (dst, src, checksum) in enumerate(items):
-        assert dst.nbytes == src.nbytes, "a slot of the payload's size"
-        digest = xxhash.xxh3_64()
-        for off in range(0, src.nbytes, CHUNK):
-            part = dst[off:off + CHUNK]
-            part[:] = src[off:off + CHUNK]
-            digest.update(part)
-        if digest.intdigest() != checksum:
-            bad.append(i)
-    return bad
+    return [i for i, (dst, src, checksum) in enumerate(items) if copy_checksummed(src, dst) != checksum]
 
 
 def copy_out(dst: memoryview, pairs: Sequence[tuple[bytes, memoryview]]) -> None:

@@ -8,7 +8,8 @@ import pytest
 import xxhash
 
 from kvtier.client import AsyncClient, Client
-from kvtier.client.into import CHUNK, check_buffers, copy_hashed
+from kvtier.client.into import check_buffers, copy_hashed
+from kvtier_protocol.header import COPY_CHUNK as CHUNK
 from kvtier_protocol.errors import InvalidRequest
 from kvtier_protocol.header import split_record
 from tests.kvtier.client.clientkit import NS_ID, OTHER_NS_ID, eventually, key, make_blocks

@@ -8,8 +8,9 @@
 The hello runs on the raw socket before the streams take it over, because asyncio's streams
 cannot receive descriptors: on a unix socket the first bytes of the hello response are read with
 ``recvmsg`` (``socket.recv_fds``), which also receives the segment descriptors (SPEC.md §7.4).
-When the connection breaks, every waiting call fails with :class:`ConnectionLost` and the
-segments are unmapped. A call cancelled after the daemon granted it a lease (acquire, reserve)
+Frames are read by :func:`kvtier.stream.read_frame` (large payloads received in place into
+reused buffers) and large frames written buffer by buffer, never joined. When the connection
+breaks, every waiting call fails with :class:`ConnectionLost` and the segments are unmapped. A call cancelled after the daemon granted it a lease (acquire, reserve)
 gets that lease released, so an abandoned request does not pin blocks until the lease expires.
 """
 
@@ -23,17 +24,21 @@ from dataclasses import dataclass
 
 from kvtier_protocol.errors import FrameError, KVTierError, ProtocolError
 from kvtier_protocol.frames import (DEFAULT_LIMITS, Frame, FrameDecoder, Response, encode_frame,
-                                    encode_frame_bytes, parse_response, raise_for_error,
-                                    read_frame)
+                                    encode_frame_bytes, parse_response, raise_for_error)
 
+from kvtier.buffers import PayloadBuffers
 from kvtier.client.address import Address
 from kvtier.client.errors import ConnectionLost, TimedOut, Unreachable
 from kvtier.client.behind import LateErrors
 from kvtier.client.calls import LEASE_OPS, Call
 from kvtier.client.options import ClientOptions
 from kvtier.client.session import MAX_FDS, Session, hello_keys, open_session
+from kvtier.stream import FrameStream, read_frame
 
 _FIRST_READ = 64 << 10
+STREAM_LIMIT = 4 << 20  # bytes received ahead of the reader before reading pauses
+JOIN_WRITE_BYTES = 1 << 20  # frames up to this size are written as one joined buffer
+PAYLOAD_KEEP_BYTES = 256 << 20  # most bytes of large-payload buffers a connection keeps
 
 
 def _fresh(exc: BaseException) -> BaseException:
@@ -98,10 +103,11 @@ class Sent:
 class AsyncConnection:
     """One connection after a successful hello. Create with :meth:`open`."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, session: Session,
+    def __init__(self, reader: FrameStream, writer: asyncio.StreamWriter, session: Session,
                  address: Address) -> None:
         self.session = session
         self._reader, self._writer, self._address = reader, writer, address
+        self._buffers = PayloadBuffers(PAYLOAD_KEEP_BYTES)
         self._ids = itertools.count(2)  # 1 was the hello
         self._pending: dict[int, tuple[str, asyncio.Future[Frame]] | None] = {}
         self._slots = asyncio.Semaphore(session.limits.max_inflight)
@@ -119,6 +125,7 @@ class AsyncConnection:
             Unauthorized, UnsupportedVersion: the daemon refused the hello.
         """
         hello = encode_frame_bytes({"op": "hello", "id": 1, **hello_keys(options)})
+        loop = asyncio.get_running_loop()
         writer: asyncio.StreamWriter | None = None
         try:
             async with asyncio.timeout(options.connect_timeout_s):
@@ -126,7 +133,8 @@ class AsyncConnection:
                     sock, frame, fds = await _unix_hello(address, hello)
                     try:
                         response = parse_response("hello", frame, limits=DEFAULT_LIMITS)
-                        reader, writer = await asyncio.open_unix_connection(sock=sock)
+                        _, reader = await loop.create_unix_connection(lambda: FrameStream(STREAM_LIMIT), sock=sock)
+                        writer = reader.writer
                     except BaseException:
                         for fd in fds:
                             os.close(fd)
@@ -134,10 +142,13 @@ class AsyncConnection:
                         raise
                 else:
                     fds = []
-                    reader, writer = await asyncio.open_connection(address.host, address.port)
+                    _, reader = await loop.create_connection(lambda: FrameStream(STREAM_LIMIT),
+                                                             address.host, address.port)
+                    writer = reader.writer
+                    assert writer is not None, "made with the transport"
                     writer.write(hello)
                     await writer.drain()
-                    frame = await read_frame(reader, DEFAULT_LIMITS)
+                    frame = await read_frame(reader, DEFAULT_LIMITS, PayloadBuffers(0))
                     if frame is None:
                         raise ConnectionLost(f"daemon at {address} closed the connection during hello")
                     response = parse_response("hello", frame, limits=DEFAULT_LIMITS)
@@ -222,7 +233,11 @@ class AsyncConnection:
         self._pending[ident] = (call.op, future)
         sent = Sent(call.op, future)
         try:
-            self._writer.writelines(buffers)
+            if sum(len(b) for b in buffers) <= JOIN_WRITE_BYTES:
+                self._writer.writelines(buffers)
+            else:  # Python 3.11's writelines joins its buffers: a copy of the whole payload
+                for buf in buffers:
+                    self._writer.write(buf)
             if call.wait:
                 await self._writer.drain()
         except OSError as exc:
@@ -273,7 +288,7 @@ class AsyncConnection:
         error: BaseException = ConnectionLost(f"daemon at {self._address} closed the connection")
         try:
             while True:
-                frame = await read_frame(self._reader, self.session.limits)
+                frame = await read_frame(self._reader, self.session.limits, self._buffers)
                 if frame is None:
                     break
                 entry = self._pending.pop(frame.id, False)
@@ -315,6 +330,7 @@ class AsyncConnection:
         # abort, not close: close would wait to flush what a stuck daemon never reads
         self._writer.transport.abort()
         self.session.close()
+        self._buffers.close()
         if self._task is not asyncio.current_task():
             self._task.cancel()
 

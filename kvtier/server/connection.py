@@ -29,7 +29,7 @@ from kvtier_protocol.errors import (Busy, InvalidRequest, KVTierError, ProtocolE
 
 from kvtier.buffers import PayloadBuffers
 from kvtier.server.handlers import RequestHandler, Session
-from kvtier.server.stream import FrameStream
+from kvtier.stream import POOLED_PAYLOAD_BYTES, FrameStream
 from kvtier.server.tenancy import hello_scope
 
 if TYPE_CHECKING:
@@ -39,7 +39,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MUTATING_OPS = ("delete", "clear")  # need the token over TCP (SPEC §7.4)
-POOLED_PAYLOAD_BYTES = 1 << 20  # payloads above this are read into a pooled buffer (buffers.py)
 FDS_SEND_TIMEOUT_S = 5.0  # how long the hello response may wait for room in the socket buffer
 JOIN_WRITE_BYTES = 1 << 20  # frames up to this size are written with one joined buffer
 _serial = itertools.count(1)  # connection numbers, for logs
@@ -56,7 +55,7 @@ class Connection:
         ctx: the daemon's shared state.
         handler: the operations.
         limits: the limits announced in hello and applied to every frame.
-        reader, writer: the stream (payloads are read in place, :mod:`kvtier.server.stream`).
+        reader, writer: the stream (payloads are read in place, :mod:`kvtier.stream`).
         tcp: a TCP connection (else a unix socket one).
         idle_timeout_s: silence after which the connection is closed.
         buffers: the daemon's pool of inline payload buffers.

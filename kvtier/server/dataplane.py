@@ -30,7 +30,7 @@ from kvtier.config import UNIX_PATH_MAX, split_hostport
 from kvtier.buffers import PayloadBuffers
 from kvtier.server.connection import Connection
 from kvtier.server.handlers import RequestHandler
-from kvtier.server.stream import FrameStream
+from kvtier.stream import FrameStream
 
 if TYPE_CHECKING:
     from kvtier.server.context import DaemonContext

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
@@ -308,9 +308,10 @@ class FrameDecoder:
         return frames
 
 
-async def read_frame(reader: asyncio.StreamReader,
-                     limits: Limits = DEFAULT_LIMITS) -> Frame | None:
-    """Read one frame from a stream.
+async def read_frame(reader: asyncio.StreamReader, limits: Limits = DEFAULT_LIMITS,
+                     read_payload: Callable[[int], Awaitable[Buffer]] | None = None) -> Frame | None:
+    """Read one frame from a stream (``read_payload(n)``, if given, reads the payload's ``n``
+    bytes instead of ``reader.readexactly``: e.g. into a buffer of the caller's).
 
     Returns:
         The frame, or None when the stream ended cleanly before the first byte of a frame.
@@ -329,7 +330,9 @@ async def read_frame(reader: asyncio.StreamReader,
     header_len, payload_len, has_payload = parse_preamble(preamble, limits)
     try:
         head = await reader.readexactly(header_len)
-        body = await reader.readexactly(payload_len) if has_payload else None
+        body: Buffer | None = None
+        if has_payload:
+            body = await (reader.readexactly(payload_len) if read_payload is None else read_payload(payload_len))
     except asyncio.IncompleteReadError as exc:
         raise Truncated("stream ended inside a frame") from exc
     header = decode_header(head)

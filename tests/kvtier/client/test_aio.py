@@ -146,3 +146,17 @@ async def test_malformed_response_breaks_only_that_connection(peer: Peer) -> Non
         peer.bad_reply.clear()
         assert (await kv.stats())["blocks"] == 0  # a fresh connection
     assert peer.ops["hello"] == 2
+
+
+async def test_large_payloads_travel_unjoined_and_land_in_reused_buffers(peer: Peer) -> None:
+    blocks = make_blocks(3, 2 << 20, tag=b"aio-pooled")  # above kvtier.stream.POOLED_PAYLOAD_BYTES
+    async with AsyncClient(f"127.0.0.1:{peer.tcp_port}") as kv:
+        assert await kv.save(NS_ID, blocks) == ["stored"] * 3  # one 6 MiB put frame, written unjoined
+        kept = await kv.load(NS_ID, [blocks[0][0]], degrade=False)  # the caller keeps this record
+        for k, record in blocks[1:] * 2:  # later answers are received into the pool's buffers
+            assert await kv.load(NS_ID, [k], degrade=False) == [record]
+        assert kept == [blocks[0][1]]  # never changed under its holder
+        dest = [bytearray(len(r)) for _, r in blocks]
+        headers = await kv.load_into(NS_ID, [k for k, _ in blocks], dest, degrade=False)
+        assert [bytes(d[:h.payload_len]) for d, h in zip(dest, headers)] == [
+            r[len(r) - h.payload_len:] for (_, r), h in zip(blocks, headers)]

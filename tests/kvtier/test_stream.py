@@ -1,4 +1,4 @@
-"""kvtier/server/stream.py: the daemon's reading end over real connected sockets (a socketpair
+"""kvtier/stream.py: the reading end of a data-plane connection over real connected sockets (a socketpair
 accepted by the running loop, as the listener's connections are): small reads out of the scratch
 buffer, payloads received in place, flow control, and the ways a stream ends."""
 
@@ -12,7 +12,10 @@ from contextlib import asynccontextmanager
 
 import pytest
 
-from kvtier.server.stream import SCRATCH_BYTES, FrameStream
+from kvtier.buffers import PayloadBuffers
+from kvtier.stream import POOLED_PAYLOAD_BYTES, SCRATCH_BYTES, FrameStream, read_frame
+from kvtier_protocol import frames as fr
+from kvtier_protocol.errors import Truncated
 
 LIMIT = 256 << 10
 
@@ -122,3 +125,28 @@ def _recv_all(sock: socket.socket, n: int) -> bytes:
         assert chunk, "closed early"
         out += chunk
     return bytes(out)
+
+
+async def test_read_frame_takes_small_payloads_as_they_come_and_large_ones_in_place() -> None:
+    big = os.urandom(POOLED_PAYLOAD_BYTES + 5)
+    frames = [fr.encode_frame_bytes({"op": "ping", "id": 1}),
+              fr.encode_frame_bytes({"op": "put", "id": 2}, b"small"),
+              fr.encode_frame_bytes({"op": "put", "id": 3}, big)]
+    limits = fr.Limits(max_payload_len=1 << 30)
+    pool = PayloadBuffers(keep_bytes=16 << 20)
+    async with stream_pair() as (stream, _, peer):
+        sender = asyncio.create_task(_send(peer, b"".join(frames)))  # more than the socket buffers
+        got = [await read_frame(stream, limits, pool) for _ in frames]
+        await sender
+        assert [f.header["id"] for f in got] == [1, 2, 3]
+        assert got[0].payload is None and bytes(got[1].payload) == b"small" and bytes(got[2].payload) == big
+        assert pool.made == 1  # only the large one took a pooled buffer
+        sender = asyncio.create_task(_send(peer, frames[2][:-7]))
+        with pytest.raises(Truncated):
+            await asyncio.gather(read_frame(stream, limits, pool), _shut_after(sender, peer))
+        assert bytes(got[2].payload) == big  # the earlier frame's buffer was not handed out again
+
+
+async def _shut_after(sender: asyncio.Task[None], sock: socket.socket) -> None:
+    await sender
+    sock.shutdown(socket.SHUT_WR)

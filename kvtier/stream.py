@@ -1,4 +1,7 @@
-"""The daemon's byte stream of one connection: frame payloads read straight into their buffers.
+"""The byte stream of one data-plane connection: frame payloads read straight into their buffers.
+
+Used by the daemon (every connection, kvtier.server.connection) and by the asyncio client
+(kvtier.client.aio_transport). Stdlib and kvtier_protocol only.
 
 asyncio's ``StreamReader`` copies every byte it receives three times before a frame has it: into
 the transport's read buffer, onto the end of its own ``bytearray``, and out again per ``read``.
@@ -23,8 +26,15 @@ import collections
 from collections.abc import Callable
 from typing import Any
 
+from kvtier_protocol.frames import Frame, Limits
+from kvtier_protocol.frames import read_frame as _read_frame
+
+from kvtier.buffers import PayloadBuffers
+
 SCRATCH_BYTES = 64 << 10
 """Receive buffer for everything but payloads being read in place."""
+POOLED_PAYLOAD_BYTES = 1 << 20
+"""Payloads above this are received into a pooled buffer (kvtier.buffers) rather than a new one."""
 
 
 class FrameStream(asyncio.BufferedProtocol):
@@ -32,11 +42,15 @@ class FrameStream(asyncio.BufferedProtocol):
 
     Args:
         limit: bytes buffered beyond what the reader asked for before the transport is paused.
-        on_connect: called with ``(stream, writer)`` once the transport is made (it starts the
-            connection's task; the protocol keeps a reference to it).
+        on_connect: called with ``(stream, writer)`` once the transport is made (the daemon's
+            listener: it starts the connection's task, to which the protocol keeps a reference).
+
+    Attributes:
+        writer: the writing end, once the transport is made.
     """
 
-    def __init__(self, limit: int, on_connect: Callable[[FrameStream, asyncio.StreamWriter], Any]) -> None:
+    def __init__(self, limit: int,
+                 on_connect: Callable[[FrameStream, asyncio.StreamWriter], Any] | None = None) -> None:
         self._limit = limit
         self._on_connect = on_connect
         self._loop = asyncio.get_running_loop()
@@ -53,13 +67,15 @@ class FrameStream(asyncio.BufferedProtocol):
         self._drain_waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self._closed = self._loop.create_future()
         self.task: asyncio.Task[Any] | None = None
+        self.writer: asyncio.StreamWriter | None = None
 
     # --- protocol callbacks ----------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]  # uvloop's are not asyncio.Transport subclasses
-        writer = asyncio.StreamWriter(transport, self, None, self._loop)  # type: ignore[arg-type]
-        self.task = self._loop.create_task(self._on_connect(self, writer))
+        self.writer = asyncio.StreamWriter(transport, self, None, self._loop)  # type: ignore[arg-type]
+        if self._on_connect is not None:
+            self.task = self._loop.create_task(self._on_connect(self, self.writer))
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._target is not None:
@@ -200,4 +216,28 @@ class FrameStream(asyncio.BufferedProtocol):
             self._transport.resume_reading()
 
 
-__all__ = ["SCRATCH_BYTES", "FrameStream"]
+async def read_frame(stream: FrameStream, limits: Limits, buffers: PayloadBuffers) -> Frame | None:
+    """:func:`kvtier_protocol.frames.read_frame` on a :class:`FrameStream`: a payload above
+    :data:`POOLED_PAYLOAD_BYTES` is received in place into a buffer of ``buffers``, handed back at
+    once (it is reused only once the frame's views of it are gone).
+
+    Returns:
+        The frame, or None when the stream ended cleanly before the first byte of a frame.
+
+    Raises:
+        Truncated: the stream ended inside a frame. ProtocolError: a malformed frame (lengths are
+        checked before anything more is read). ConnectionError: the connection broke.
+    """
+    async def payload(n: int) -> bytes | memoryview:
+        if n <= POOLED_PAYLOAD_BYTES:
+            return await stream.readexactly(n)
+        mapping = buffers.take(n)
+        body = memoryview(mapping)[:n]
+        buffers.give(mapping)
+        await stream.read_into(body)
+        return body
+
+    return await _read_frame(stream, limits, payload)  # type: ignore[arg-type]
+
+
+__all__ = ["POOLED_PAYLOAD_BYTES", "SCRATCH_BYTES", "FrameStream", "read_frame"]

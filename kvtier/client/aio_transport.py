@@ -10,8 +10,9 @@ cannot receive descriptors: on a unix socket the first bytes of the hello respon
 ``recvmsg`` (``socket.recv_fds``), which also receives the segment descriptors (SPEC.md §7.4).
 Frames are read by :func:`kvtier.stream.read_frame` (large payloads received in place into
 reused buffers) and large frames written buffer by buffer, never joined. When the connection
-breaks, every waiting call fails with :class:`ConnectionLost` and the segments are unmapped. A call cancelled after the daemon granted it a lease (acquire, reserve)
-gets that lease released, so an abandoned request does not pin blocks until the lease expires.
+breaks, every waiting call fails with :class:`ConnectionLost` and the segments are unmapped. A
+call cancelled after the daemon granted it a lease (acquire, reserve) gets that lease released,
+so an abandoned request does not pin blocks until the lease expires.
 """
 
 from __future__ import annotations

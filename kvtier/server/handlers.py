@@ -170,20 +170,24 @@ class RequestHandler:
         ok: list[bool] = [False] * len(reserved)
         if res.lease_id:
             session.leases[res.lease_id] = PutLease(req.ns_id, req.hashes, tuple(reserved))
-            try:
-                todo = [(store.host.view(slot), payload, checksum)
-                        for slot, payload, checksum, r in zip(res.slots, payloads, checksums, reserved) if r]
-                bad = await run_sized(sum(p.nbytes for _, p, _ in todo), copy_checked, todo)
-                if bad:  # the client's error (its records), as before copying: not a store failure
-                    raise ChecksumMismatch(f"put: {len(bad)} payloads do not match their header checksums; "
-                                           "nothing was stored")
+        try:
+            # Every record is verified (SPEC 7.4 put); a reserved one as it is copied into its slot.
+            todo = [(store.host.view(slot) if r else None, payload, checksum)
+                    for slot, payload, checksum, r in zip(res.slots, payloads, checksums, reserved)]
+            bad = await run_sized(sum(p.nbytes for _, p, _ in todo), copy_checked, todo)
+            if bad:  # the client's error (its records), as before copying: not a store failure
+                raise ChecksumMismatch(f"put: {len(bad)} payloads do not match their header checksums; "
+                                       "nothing was stored")
+            if res.lease_id:
                 ok = await _commit_all(store, res.lease_id, [h if r else None for h, r in zip(headers, reserved)],
                                        req.ns_id, req.hashes, checked=True)
-            except BaseException:
+        except BaseException:
+            if res.lease_id:
                 store.release(res.lease_id)
-                raise
-            finally:
-                del session.leases[res.lease_id]
+            raise
+        finally:
+            session.leases.pop(res.lease_id, None)
+        if res.lease_id:
             _note_tokens(scope, req.ns_id, tokens, ok)
         results = tuple("stored" if done else _PUT_RESULT[status] for done, status in zip(ok, res.status))
         return fr.PutResponse(req.id, results)

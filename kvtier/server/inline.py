@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvtier_protocol.errors import InvalidRequest
-from kvtier_protocol.header import copy_checksummed, split_record
+from kvtier_protocol.header import copy_checksummed, payload_checksum, split_record
 
 COPY_IN_THREAD_BYTES = 4 << 20  # larger copies and checksums leave the event loop
 
@@ -53,10 +53,12 @@ def check_records(ns_id: bytes, hashes: Sequence[bytes], records: Sequence[memor
     return headers, payloads, checksums
 
 
-def copy_checked(items: Sequence[tuple[memoryview, memoryview, int]]) -> list[int]:
-    """Copy each payload into its slot view and hash what landed there; the indexes of the
-    items whose xxh3-64 differs from their checksum (empty: every slot holds its payload)."""
-    return [i for i, (dst, src, checksum) in enumerate(items) if copy_checksummed(src, dst) != checksum]
+def copy_checked(items: Sequence[tuple[memoryview | None, memoryview, int]]) -> list[int]:
+    """Copy each payload into its slot view and hash what landed there (a payload without a
+    slot, of a key stored already or without room, is only hashed); the indexes of the items
+    whose xxh3-64 differs from their checksum (empty: every slot holds its payload)."""
+    return [i for i, (dst, src, checksum) in enumerate(items)
+            if (payload_checksum(src) if dst is None else copy_checksummed(src, dst)) != checksum]
 
 
 def copy_out(dst: memoryview, pairs: Sequence[tuple[bytes, memoryview]]) -> None:

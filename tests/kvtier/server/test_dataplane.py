@@ -119,6 +119,10 @@ async def test_put_is_all_or_nothing(tmp_path):
         assert p.store.lookup(NS.ns_id, [good.chain_hash]).num_hits == 0
         assert p.store.gauges().pending == 0 and p.store.gauges().leases == 0
         assert p.store.gauges().tiers[Tier.HOST].used_bytes == 0  # the slots it was copied into are free again
+        ok(await peer.call("put", good.record, ns_id=NS.ns_id, hashes=[good.chain_hash], lens=[len(good.record)]))
+        stale = good.header + bytes([good.payload[0] ^ 1]) + good.payload[1:]
+        again = await peer.call("put", stale, ns_id=NS.ns_id, hashes=[good.chain_hash], lens=[len(stale)])
+        assert err(again) == "checksum_mismatch"  # verified even where the key is stored already
 
 
 async def test_an_inline_put_is_checked_as_it_is_copied_so_readers_need_not_hash_it(tmp_path):

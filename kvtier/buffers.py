@@ -22,6 +22,8 @@ from __future__ import annotations
 import mmap
 
 PAGE = mmap.PAGESIZE
+POOLED_PAYLOAD_BYTES = 1 << 20
+"""Payloads above this go through the pool; smaller ones are cheap to allocate as they come."""
 _FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
 
 
@@ -59,6 +61,15 @@ class PayloadBuffers:
         self.made += 1
         return mmap.mmap(-1, -(-n // PAGE) * PAGE, flags=_FLAGS)
 
+    def view(self, n: int) -> memoryview:
+        """``n`` writable bytes of a mapping from :meth:`take`, already given back: it is handed
+        out again only once this view and every view taken from it are gone. The usual way to use
+        the pool: nobody has to remember to give the mapping back."""
+        m = self.take(n)
+        out = memoryview(m)[:n]
+        self.give(m)  # exported now: neither reused nor unmapped while ``out`` lives
+        return out
+
     def give(self, m: mmap.mmap) -> None:
         """Return a mapping from :meth:`take` (its views may still be alive: it is reused only
         once they are gone). Beyond ``keep_bytes``, the largest free mappings are dropped."""
@@ -89,4 +100,4 @@ def _unexported(m: mmap.mmap) -> bool:
     return True
 
 
-__all__ = ["PAGE", "PayloadBuffers"]
+__all__ = ["PAGE", "POOLED_PAYLOAD_BYTES", "PayloadBuffers"]

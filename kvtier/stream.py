@@ -29,12 +29,10 @@ from typing import Any
 from kvtier_protocol.frames import Frame, Limits
 from kvtier_protocol.frames import read_frame as _read_frame
 
-from kvtier.buffers import PayloadBuffers
+from kvtier.buffers import POOLED_PAYLOAD_BYTES, PayloadBuffers
 
 SCRATCH_BYTES = 64 << 10
 """Receive buffer for everything but payloads being read in place."""
-POOLED_PAYLOAD_BYTES = 1 << 20
-"""Payloads above this are received into a pooled buffer (kvtier.buffers) rather than a new one."""
 
 
 class FrameStream(asyncio.BufferedProtocol):
@@ -228,16 +226,21 @@ async def read_frame(stream: FrameStream, limits: Limits, buffers: PayloadBuffer
         Truncated: the stream ended inside a frame. ProtocolError: a malformed frame (lengths are
         checked before anything more is read). ConnectionError: the connection broke.
     """
-    async def payload(n: int) -> bytes | memoryview:
-        if n <= POOLED_PAYLOAD_BYTES:
-            return await stream.readexactly(n)
-        mapping = buffers.take(n)
-        body = memoryview(mapping)[:n]
-        buffers.give(mapping)
-        await stream.read_into(body)
-        return body
-
-    return await _read_frame(stream, limits, payload)  # type: ignore[arg-type]
+    return await _read_frame(stream, limits, lambda n: read_payload(stream, n, buffers))  # type: ignore[arg-type]
 
 
-__all__ = ["POOLED_PAYLOAD_BYTES", "SCRATCH_BYTES", "FrameStream", "read_frame"]
+async def read_payload(stream: FrameStream, n: int, buffers: PayloadBuffers) -> bytes | memoryview:
+    """The next ``n`` bytes (a frame's payload): above :data:`POOLED_PAYLOAD_BYTES` received in
+    place into a view of ``buffers`` (:meth:`PayloadBuffers.view`), else read as they come.
+
+    Raises:
+        asyncio.IncompleteReadError: the stream ended first. ConnectionError: it broke.
+    """
+    if n <= POOLED_PAYLOAD_BYTES:
+        return await stream.readexactly(n)
+    body = buffers.view(n)
+    await stream.read_into(body)
+    return body
+
+
+__all__ = ["POOLED_PAYLOAD_BYTES", "SCRATCH_BYTES", "FrameStream", "read_frame", "read_payload"]

@@ -321,8 +321,9 @@ class AsyncConnection:
             return
         self._error = error
         if self._kept:  # answers nobody will claim now: those commits may or may not have landed
-            self.late.add(_fresh(error) if isinstance(error, KVTierError) else ConnectionLost(str(error)),
-                          f"{len(self._kept)} commits unanswered; their blocks may or may not be stored")
+            lost = _fresh(error)
+            assert isinstance(lost, KVTierError), "_fresh makes kvtier errors"
+            self.late.lost(lost, len(self._kept))
             self._kept.clear()
         pending, self._pending = self._pending, {}
         for entry in pending.values():

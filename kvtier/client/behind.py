@@ -46,9 +46,13 @@ class LateErrors:
         """Record a kept commit whose answer was ``exc``: refused by the daemon, or, when the
         connection ``broken``, of unknown fate, like the ``after`` kept commits behind it."""
         if broken:
-            self.add(exc, f"{after + 1} commits unanswered; their blocks may or may not be stored")
+            self.lost(exc, after + 1)
         else:
             self.add(exc, "its blocks are not stored")
+
+    def lost(self, exc: KVTierError, count: int) -> None:
+        """Record ``count`` kept commits whose answers the broken connection (``exc``) took."""
+        self.add(exc, f"{count} commits unanswered; their blocks may or may not be stored")
 
     def raise_first(self) -> None:
         """Raise the oldest failure recorded since the last call (and forget them all)."""

@@ -28,7 +28,7 @@ from kvtier_protocol.frames import (DEFAULT_LIMITS, PREAMBLE_LEN, Buffer, Frame,
                                     decode_header, encode_frame, parse_preamble, parse_response,
                                     raise_for_error)
 
-from kvtier.buffers import PayloadBuffers
+from kvtier.buffers import POOLED_PAYLOAD_BYTES, PayloadBuffers
 from kvtier.client.address import Address
 from kvtier.client.errors import ConnectionLost, TimedOut, Unreachable
 from kvtier.client.behind import LateErrors
@@ -40,7 +40,6 @@ from kvtier.client.session import MAX_FDS, Session, hello_keys, open_session
 _IOV_MAX = 1024  # buffers per sendmsg (Linux UIO_MAXIOV)
 _FIRST_READ = 64 << 10
 _READ_AHEAD = 64 << 10  # bytes asked of each recv of frame headers
-POOLED_PAYLOAD_BYTES = 1 << 20  # payloads above this are received into a reused buffer
 PAYLOAD_KEEP_BYTES = 256 << 20  # most bytes of such buffers a connection keeps between calls
 
 
@@ -320,12 +319,8 @@ class BlockingConnection:
             raise ConnectionLost(f"connection to {self._address} broke: {exc}") from exc
 
     def _recv_exact(self, n: int, deadline: float, *, at_frame_start: bool = False) -> bytearray | memoryview:
-        if n > POOLED_PAYLOAD_BYTES:  # fresh pages cost as much as the copy: reuse a mapping
-            mapping = self._buffers.take(n)
-            buf: bytearray | memoryview = memoryview(mapping)[:n]
-            self._buffers.give(mapping)  # handed out again only once the views of it are gone
-        else:
-            buf = bytearray(n)
+        # fresh pages cost as much as the copy: a large payload lands in a reused mapping
+        buf = self._buffers.view(n) if n > POOLED_PAYLOAD_BYTES else bytearray(n)
         got = min(n, len(self._pending))
         if got:
             buf[:got] = self._pending[:got]
@@ -393,8 +388,7 @@ class BlockingConnection:
         self._outbox.clear()
         self._buffers.close()
         if self._kept:
-            self.late.add(ConnectionLost("the connection closed"),
-                          f"{len(self._kept)} commits unanswered; their blocks may or may not be stored")
+            self.late.lost(ConnectionLost("the connection closed"), len(self._kept))
             self._kept.clear()
         if self.session is not None:
             self.session.close()

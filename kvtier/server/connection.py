@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import mmap
 import socket
 import time
 from typing import TYPE_CHECKING, Any
@@ -29,7 +28,7 @@ from kvtier_protocol.errors import (Busy, InvalidRequest, KVTierError, ProtocolE
 
 from kvtier.buffers import PayloadBuffers
 from kvtier.server.handlers import RequestHandler, Session
-from kvtier.stream import POOLED_PAYLOAD_BYTES, FrameStream
+from kvtier.stream import FrameStream, read_payload
 from kvtier.server.tenancy import hello_scope
 
 if TYPE_CHECKING:
@@ -109,7 +108,7 @@ class Connection:
     async def _read_loop(self) -> None:
         while True:
             try:
-                frame, buf = await self._read_frame()
+                frame = await self._read_frame()
             except _Idle:
                 log.info("%s: closed after %.1f s idle", self.peer, self.idle_timeout_s)
                 return
@@ -126,23 +125,20 @@ class Connection:
             if frame is None:
                 return
             if not self.session.hello_done:
-                await self._serve_one(frame, buf)  # nothing overlaps the hello and its descriptors
+                await self._serve_one(frame)  # nothing overlaps the hello and its descriptors
             elif len(self._tasks) >= self.limits.max_inflight:
                 busy = Busy(f"more than {self.limits.max_inflight} requests in flight")
                 self.ctx.metrics.observe_request(_op_label(frame.op), busy.code, 0.0)
                 await self._send(fr.error_response(frame.id, busy, _known_op(frame.op)))
-                if buf is not None:
-                    self.buffers.give(buf)
             else:
-                task = asyncio.create_task(self._serve_one(frame, buf))
+                task = asyncio.create_task(self._serve_one(frame))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
-            frame = buf = None  # the request owns them now: no reference left here while it runs
+            frame = None  # the request owns it now: its payload buffer is reusable once that ends
 
-    async def _read_frame(self) -> tuple[fr.Frame | None, mmap.mmap | None]:
-        """The next frame, as :func:`kvtier_protocol.frames.read_frame` reads it, with the idle
-        timeout on the wait for its first bytes (a cancelled wait consumes nothing), and the
-        pooled buffer holding its payload, if one does (for :meth:`_serve_one` to give back)."""
+    async def _read_frame(self) -> fr.Frame | None:
+        """The next frame, as :func:`kvtier.stream.read_frame` reads it, with the idle timeout on
+        the wait for its first bytes (a cancelled wait consumes nothing)."""
         reader = self.reader
         while True:
             try:
@@ -151,36 +147,27 @@ class Connection:
                 break
             except asyncio.IncompleteReadError as exc:
                 if not exc.partial:
-                    return None, None
+                    return None
                 raise Truncated("stream ended inside a frame preamble") from exc
             except TimeoutError:
                 if not self._tasks:
                     raise _Idle from None
         # Both lengths are checked here, before anything more is read or allocated.
         header_len, payload_len, has_payload = fr.parse_preamble(preamble, self.limits)
-        buf = self.buffers.take(payload_len) if has_payload and payload_len > POOLED_PAYLOAD_BYTES else None
         try:
             async with asyncio.timeout(self.idle_timeout_s):
                 head = await reader.readexactly(header_len)
-                if buf is not None:
-                    body: memoryview | None = memoryview(buf)[:payload_len]
-                    await reader.read_into(body)
-                else:
-                    body = memoryview(await reader.readexactly(payload_len)) if has_payload else None
-            header = fr.decode_header(head)
-        except BaseException as exc:
-            if buf is not None:
-                self.buffers.give(buf)
-            if isinstance(exc, asyncio.IncompleteReadError):
-                raise Truncated("stream ended inside a frame") from exc
-            if isinstance(exc, TimeoutError):
-                raise _Idle from None  # stalled inside a frame: the stream cannot be resumed
-            raise
-        return fr.Frame(header, body.toreadonly() if body is not None else None), buf
+                body = await read_payload(reader, payload_len, self.buffers) if has_payload else None
+        except asyncio.IncompleteReadError as exc:
+            raise Truncated("stream ended inside a frame") from exc
+        except TimeoutError:
+            raise _Idle from None  # stalled inside a frame: the stream cannot be resumed
+        header = fr.decode_header(head)
+        return fr.Frame(header, memoryview(body).toreadonly() if body is not None else None)
 
     # --- one request ---------------------------------------------------------------------------
 
-    async def _serve_one(self, frame: fr.Frame, buf: mmap.mmap | None = None) -> None:
+    async def _serve_one(self, frame: fr.Frame) -> None:
         started = time.perf_counter()
         op = _known_op(frame.op)
         status = "ok"
@@ -209,8 +196,6 @@ class Connection:
             await self._send(fr.error_response(frame.id, exc, op))
         finally:
             self.ctx.metrics.observe_request(_op_label(op), status, time.perf_counter() - started)
-            if buf is not None:
-                self.buffers.give(buf)  # reused once this request's views of it are gone
 
     def _check_allowed(self, req: fr.Request) -> None:
         session = self.session

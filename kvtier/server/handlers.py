@@ -207,9 +207,7 @@ class RequestHandler:
             total = sum(len(h) + v.nbytes for h, v in todo)
             payload: memoryview | bytes = b""
             if total:
-                buf = self.buffers.take(total)
-                payload = memoryview(buf)[:total]
-                self.buffers.give(buf)  # handed out again only once the response's views are gone
+                payload = self.buffers.view(total)  # reusable once the response is written
                 await run_sized(total, copy_out, payload, todo)
                 payload = payload.toreadonly()
         finally:

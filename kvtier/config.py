@@ -237,6 +237,8 @@ class DaemonConfig:
         data_dir: directory of the disk tier (``<data_dir>/disk`` by default) and the token file.
         log_level: one of :data:`LOG_LEVELS`.
         drain_timeout_s: at shutdown, how long in-flight requests may take to finish.
+        gc_freeze: keep CPython's garbage collector from walking the whole index
+            (:mod:`kvtier.server.collector`); False leaves the interpreter's defaults.
         tenants: the tenants (:mod:`kvtier.config_tenants`), each with its own store; empty:
             one shared store.
     """
@@ -249,6 +251,7 @@ class DaemonConfig:
     data_dir: str
     log_level: str = "info"
     drain_timeout_s: float = 10.0
+    gc_freeze: bool = True
     tenants: tuple[TenantConfig, ...] = ()
 
     def __post_init__(self) -> None:
@@ -258,6 +261,7 @@ class DaemonConfig:
             raise ConfigError(f"daemon.log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
         object.__setattr__(self, "log_level", self.log_level.lower())
         _positive("daemon.drain_timeout_s", self.drain_timeout_s, number=True, zero=True)
+        _typed("daemon.gc_freeze", self.gc_freeze, bool)
         if self.tenants != ():
             from kvtier.config_tenants import check_tenants  # it imports this module
 

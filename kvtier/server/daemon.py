@@ -4,7 +4,7 @@
 
     start:  store.start() -> each tenant's store.start() -> Auth -> Metrics -> EventHubs.start()
             -> DataPlane.start() -> REST site -> event pump -> ready (sd_notify READY=1, one log
-            line per endpoint)
+            line per endpoint) -> garbage-collector policy (kvtier.server.collector)
     stop (SIGTERM / SIGINT):  STOPPING=1 -> not ready -> data plane and REST stop accepting and
             drain (drain_timeout_s) -> pump stops -> every store.close() (host blocks written to
             disk) -> last events published -> EventHubs close -> exit 0
@@ -36,6 +36,7 @@ from kvtier.config import DaemonConfig, split_hostport
 from kvtier.config_sources import nvidia_driver_present
 from kvtier.server import tenancy
 from kvtier.server.auth import Auth
+from kvtier.server.collector import CollectorPolicy
 from kvtier.server.context import DaemonContext, Scope
 from kvtier.server.dataplane import DataPlane
 from kvtier.server.events import EventHub
@@ -80,6 +81,7 @@ class Daemon:
         self._dataplane: DataPlane | None = None
         self._runner: web.AppRunner | None = None
         self._pump: asyncio.Task[None] | None = None
+        self._gc: CollectorPolicy | None = None
         self._stop_requested = asyncio.Event()
         self._stopping: asyncio.Task[None] | None = None
         self._forced = 0  # the signal that cut the shutdown short
@@ -170,6 +172,11 @@ class Daemon:
         for tenant in self._tenants:
             for name, ep in zip(("events", "replay"), ctx.endpoints.get(f"events:{tenant}", [])):
                 log.info("kvtierd tenant %s %s %s", tenant, name, ep)
+        # Last: everything long-lived exists now (the index loaded from disk above all), and the
+        # one full collection of the freeze is not counted in the time to ready.
+        self._gc = CollectorPolicy(freeze=cfg.gc_freeze)
+        self._gc.start()
+        self._metrics.watch_gc(self._gc)
 
     async def _start_rest(self, ctx: DaemonContext, listen: str) -> list[str]:
         host, port = split_hostport(listen)
@@ -258,6 +265,7 @@ class Daemon:
                 self._publish(scope.store, scope.events)
             tenancy.close_hubs(tenants)
             self._close_services()
+            await self._stop_gc()
 
     async def _close_fast(self) -> None:
         if self._dataplane is not None:
@@ -278,6 +286,12 @@ class Daemon:
         tenancy.close_hubs(list(self._tenants.values()))
         self._tenants = {}
         self._close_services()
+        await self._stop_gc()
+
+    async def _stop_gc(self) -> None:
+        gc_policy, self._gc = self._gc, None
+        if gc_policy is not None:
+            await gc_policy.stop()
 
     def _close_services(self) -> None:
         if self._events is not None:

@@ -18,6 +18,8 @@ label holds a token, a tenant salt or a namespace.
 
 from __future__ import annotations
 
+import gc
+import itertools
 import logging
 import re
 import time
@@ -26,11 +28,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from kvtier import __version__
+from kvtier.server.collector import PAUSE_BUCKETS, CollectorPolicy
 from kvtier.store.types import Tier
 
 if TYPE_CHECKING:
@@ -159,6 +163,30 @@ class StoreCollector(Collector):
                                 value=1.0 if ctx.ready else 0.0)
 
 
+class GcCollector(Collector):
+    """The garbage collector's pauses (:mod:`kvtier.server.collector`), read at each scrape;
+    yields nothing until a policy is watched."""
+
+    def __init__(self) -> None:
+        self.policy: CollectorPolicy | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        policy = self.policy
+        if policy is None:
+            return
+        bounds = [floatToGoString(b) for b in PAUSE_BUCKETS] + ["+Inf"]
+        pauses = HistogramMetricFamily("kvtier_gc_pause_seconds", "Collections of CPython's cyclic garbage "
+                                       "collector (the whole daemon waits), by generation.", labels=["generation"])
+        for generation, p in enumerate(policy.pauses):
+            counts = list(itertools.accumulate(list(p.buckets)))  # a copy: a collection may add meanwhile
+            pauses.add_metric([str(generation)], list(zip(bounds, counts)), p.total_s)
+        yield pauses
+        yield GaugeMetricFamily("kvtier_gc_frozen_objects", "Objects frozen out of the collector's walks.",
+                                value=float(gc.get_freeze_count()))
+        yield CounterMetricFamily("kvtier_gc_freezes", "Freezes of the objects surviving a collection.",
+                                  value=float(policy.freezes))
+
+
 class GpuCollector(Collector):
     """GPU memory and utilisation through NVML, per device index (label ``gpu``).
 
@@ -242,6 +270,8 @@ class Metrics:
         Gauge("kvtier_start_time_seconds", "Unix time the daemon started.", registry=reg).set(time.time())
         self._store = StoreCollector()
         reg.register(self._store)
+        self._gc = GcCollector()
+        reg.register(self._gc)
         self._gpu = GpuCollector.probe() if gpu else None
         if self._gpu is not None:
             reg.register(self._gpu)
@@ -255,6 +285,10 @@ class Metrics:
         """Export the counters and gauges of ``ctx.store`` and of each tenant's store (read at each
         scrape), and ``ctx.ready``."""
         self._store.ctx = ctx
+
+    def watch_gc(self, policy: CollectorPolicy) -> None:
+        """Export the garbage collector's pauses as ``policy`` times them."""
+        self._gc.policy = policy
 
     def observe_request(self, op: str, status: str, seconds: float) -> None:
         """Count one request and its latency.

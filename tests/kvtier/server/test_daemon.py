@@ -7,6 +7,7 @@ blocks are written with raw frames (kvtier_protocol.frames) over the TCP data pl
 from __future__ import annotations
 
 import asyncio
+import gc
 import glob
 import os
 import random
@@ -25,9 +26,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.config import load_config
 from kvtier.config_sources import nvidia_driver_present
+from kvtier.server.collector import GEN0_THRESHOLD
 from kvtier.server.daemon import gpu_checked, run_daemon
 from kvtier.server.sdnotify import SdNotifier
 from kvtier.store.types import Tier
@@ -209,6 +212,10 @@ def test_serves_stops_cleanly_and_restart_keeps_the_disk_tier(tmp_path: Path, da
     assert client.put(blocks) == ["stored"] * 6
     assert client.get(list(blocks)) == list(blocks.values())
     client.close()
+    with urllib.request.urlopen(f"{rest}/metrics", timeout=10) as resp:  # kvtier.server.collector at work
+        gc_samples = {s.name: s.value for fam in text_string_to_metric_families(resp.read().decode())
+                      for s in fam.samples if s.name.startswith("kvtier_gc_") and s.labels.get("le") is None}
+    assert gc_samples["kvtier_gc_frozen_objects"] > 10_000  # the daemon's modules and services, at least
 
     t0 = time.monotonic()
     assert d.stop(signal.SIGTERM) == 0
@@ -305,6 +312,7 @@ async def test_in_process_ready_callback_event_pump_and_sigterm(tmp_path: Path) 
         "store.host_bytes": "8MiB", "store.disk_bytes": "0", "store.host_prefault": "0",
         "store.host_name_prefix": prefix})
     seen: dict[str, Any] = {}
+    threshold = gc.get_threshold()
 
     async def exercise(ctx: Any) -> None:
         try:
@@ -321,10 +329,13 @@ async def test_in_process_ready_callback_event_pump_and_sigterm(tmp_path: Path) 
 
     def ready(ctx: Any) -> None:
         seen["ready"], seen["endpoints"] = ctx.ready, dict(ctx.endpoints)
+        seen["frozen"], seen["threshold"] = gc.get_freeze_count(), gc.get_threshold()
         seen["task"] = asyncio.get_running_loop().create_task(exercise(ctx))
 
     assert await run_daemon(cfg, ready_cb=ready) == 0
     assert seen["ready"] is True and seen["endpoints"]["dataplane"] == [f"unix:{tmp_path / 's.sock'}"]
+    assert seen["frozen"] > 0 and seen["threshold"][0] == GEN0_THRESHOLD  # the collector policy, once ready
+    assert gc.get_freeze_count() == 0 and gc.get_threshold() == threshold  # ... and none left after it
     assert "rest" not in seen["endpoints"]
     assert seen["task"].done() and seen["task"].exception() is None
     assert seen["event"]["chain_hash"] == seen["key"].hex() and seen["event"]["tier"] == Tier.HOST.name.lower()

@@ -3,6 +3,7 @@ store field, GPU telemetry is absent without a GPU, and the Grafana dashboard us
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import re
@@ -13,6 +14,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvtier.server.collector import PAUSE_BUCKETS, CollectorPolicy
 from kvtier.server.metrics import (GPU_METRIC_NAMES, LATENCY_BUCKETS, STORE_COUNTERS, STORE_GAUGES,
                                    TIER_COUNTERS, TIER_GAUGES, Metrics)
 from kvtier.store.stats import StoreCounters, StoreGauges, TierCounters, TierGauges
@@ -175,6 +177,7 @@ def _dashboard_exprs() -> list[str]:
 
 async def test_dashboard_uses_only_exported_metrics(tmp_path):
     async with open_ctx(tmp_path) as ctx:
+        ctx.metrics.watch_gc(CollectorPolicy())  # the daemon watches its policy once ready
         await put_tokens(ctx.store, tokens_for(2))
         ctx.metrics.observe_request("lookup", "ok", 0.001)
         ctx.metrics.add_lookup_tokens(1, 1)
@@ -191,8 +194,30 @@ async def test_dashboard_uses_only_exported_metrics(tmp_path):
     assert used <= exported, f"dashboard uses metrics the daemon does not export: {sorted(used - exported)}"
     for needed in ("kvtier_tier_used_bytes", "kvtier_request_duration_seconds_bucket", "kvtier_requests_total",
                    "kvtier_lookup_hit_tokens_total", "kvtier_tier_evictions_total", "kvtier_promotions_total",
-                   "kvtier_demotions_total", "kvtier_checksum_failures_total", "kvtier_events_published_total"):
+                   "kvtier_demotions_total", "kvtier_checksum_failures_total", "kvtier_events_published_total",
+                   "kvtier_gc_pause_seconds_bucket"):
         assert needed in used
+
+
+async def test_gc_pauses_are_exported_by_generation():
+    m = Metrics(gpu=False)
+    assert not any(k[0].startswith("kvtier_gc_") for k in samples(m))  # no policy watched yet
+    policy = CollectorPolicy(freeze=False)
+    m.watch_gc(policy)
+    policy.start()
+    try:
+        gc.collect(0)
+        gc.collect()
+    finally:
+        await policy.stop()
+    got = samples(m)
+    assert got[("kvtier_gc_pause_seconds_count", (("generation", "0"),))] >= 1
+    assert got[("kvtier_gc_pause_seconds_count", (("generation", "2"),))] >= 1
+    assert got[("kvtier_gc_pause_seconds_sum", (("generation", "2"),))] > 0
+    buckets = [got[("kvtier_gc_pause_seconds_bucket", (("generation", "2"), ("le", le)))]
+               for le in [*(str(b) for b in PAUSE_BUCKETS), "+Inf"]]
+    assert buckets == sorted(buckets) and buckets[-1] == got[("kvtier_gc_pause_seconds_count", (("generation", "2"),))]
+    assert ("kvtier_gc_frozen_objects", ()) in got and ("kvtier_gc_freezes_total", ()) in got
 
 
 def test_prometheus_scrape_config():

@@ -72,6 +72,7 @@ class BufferPool:
     def __init__(self, keep_bytes: int = 64 << 20) -> None:
         self.keep_bytes = keep_bytes
         self._free: dict[int, list[mmap.mmap]] = {}
+        self._idle: set[int] = set()  # id() of each mapping in _free: a second give_back is a no-op in O(1)
         self._kept = 0
         self._lock = threading.Lock()
         self._mine: weakref.WeakSet[mmap.mmap] = weakref.WeakSet()  # never adopt a caller's mapping
@@ -83,7 +84,9 @@ class BufferPool:
             stack = self._free.get(size)
             if stack:
                 self._kept -= size
-                return memoryview(stack.pop())[:nbytes]
+                mm = stack.pop()
+                self._idle.discard(id(mm))
+                return memoryview(mm)[:nbytes]
         # MAP_POPULATE: fault the pages in at once, not one fault per page as they are copied into.
         mm = mmap.mmap(-1, size, flags=_MMAP_FLAGS)
         with self._lock:
@@ -97,11 +100,11 @@ class BufferPool:
             return
         size = len(mm)
         with self._lock:
-            stack = self._free.get(size, [])
-            if mm not in self._mine or any(m is mm for m in stack):
+            if mm not in self._mine or id(mm) in self._idle:
                 return
             if self._kept + size <= self.keep_bytes:
                 self._free.setdefault(size, []).append(mm)
+                self._idle.add(id(mm))
                 self._kept += size
 
 

@@ -25,6 +25,17 @@ def test_pool_buffers_are_aligned_and_reused_within_the_cap() -> None:
     assert pool.get(3 * ALIGN).obj is not big.obj
 
 
+def test_pool_keeps_each_buffer_once_however_many_it_holds() -> None:
+    pool = BufferPool(keep_bytes=2000 * ALIGN)  # a shutdown flush gives back thousands of one size
+    views = [pool.get(10) for _ in range(1000)]
+    for v in views + views:  # each twice: the second is a no-op
+        pool.give_back(v)
+    again = [pool.get(10) for _ in range(1000)]
+    assert len({id(v.obj) for v in again}) == 1000 and {id(v.obj) for v in again} == {id(v.obj) for v in views}
+    pool.give_back(again[0])  # handed out and back once more: kept again
+    assert pool.get(10).obj is again[0].obj
+
+
 def test_pool_never_adopts_a_mapping_it_did_not_make() -> None:
     pool = BufferPool()
     foreign = mmap.mmap(-1, ALIGN)  # a host slot's mapping, say

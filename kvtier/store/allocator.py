@@ -34,6 +34,7 @@ from kvtier.store.types import Slot
 
 MIB = 1 << 20
 _MIN_SLAB_BYTES = 1 * MIB  # a class's first slab: small, so a size used once wastes little
+_new_slot = tuple.__new__  # Slot(...) without its generated __new__: the slab path runs per block
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,7 +221,7 @@ class SlabAllocator:
         self._live[(slab.segment, offset)] = _Live(slab, cb, nbytes)
         self._allocated += cb
         self._requested += nbytes
-        return Slot(slab.segment, offset, nbytes)
+        return _new_slot(Slot, (slab.segment, offset, nbytes))
 
     def free(self, slot: Slot) -> None:
         """Give a slot back.

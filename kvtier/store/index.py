@@ -192,6 +192,51 @@ class BlockIndex:
         if not meta.committed:
             self.pending += 1
 
+    def add_reserved(self, key: BlockKey, ns_id: bytes, size: int, tier: Tier, slot: Slot, priority: int,
+                     prior_accesses: int) -> BlockMeta:
+        """A new pending block of ``key`` (namespace ``ns_id``) with a copy in memory tier ``tier``
+        at ``slot``, leased once: :meth:`add`, :meth:`place` and :meth:`lease` in one step.
+
+        The reserve hot path, run per block of every put: a pending block is in no LRU queue, so
+        nothing is refreshed, and the checks are the ones those three would make.
+        """
+        assert key not in self._blocks, "key already indexed"
+        assert ns_id == key[:len(ns_id)] and 0 <= priority < self.num_classes, "a key of ns_id, a valid priority"
+        assert tier is _HOST or tier is _GPU, "memory tiers take a slot"
+        assert self.used[tier] + size <= self.capacity[tier], f"{tier.name} capacity exceeded"
+        meta = BlockMeta(key, size, priority=priority, prior_accesses=prior_accesses, leases=1, linked=True)
+        if tier is _HOST:
+            meta.host_slot = slot
+        else:
+            meta.gpu_slot = slot
+        self._blocks[key] = meta
+        keys = self._by_ns.get(ns_id)
+        if keys is None:
+            keys = self._by_ns[ns_id] = set()
+        keys.add(key)
+        self.pending += 1
+        self.used[tier] += size
+        self.count[tier] += 1
+        return meta
+
+    def commit_reserved(self, meta: BlockMeta, header: bytes, parent_hash: bytes | None, num_tokens: int,
+                        checksum: int, now: float, *, checked: bool) -> None:
+        """:meth:`commit`, then (``checked``) :meth:`mark_host_checked`, then :meth:`unlease`, in
+        one step: the commit hot path, with one LRU refresh instead of two."""
+        assert meta.linked and not meta.committed and meta.leases > 0, "a linked, pending, leased block"
+        assert not meta.on_disk, "the disk charge depends on the header; place on disk after commit"
+        meta.header = header
+        meta.parent_hash = parent_hash
+        meta.num_tokens = num_tokens
+        meta.checksum = checksum
+        meta.state = BlockState.COMMITTED
+        meta.last_access = now
+        if checked and meta.host_slot is not None:
+            meta.host_checked = True
+        meta.leases -= 1
+        self.pending -= 1
+        self._refresh(meta)
+
     def unlink(self, meta: BlockMeta) -> None:
         """Make the key unreachable. Charges stay until :meth:`unplace` frees each copy."""
         if not meta.linked:

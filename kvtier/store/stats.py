@@ -126,7 +126,9 @@ class EventKind(enum.Enum):
     REMOVED = "removed"
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen, though never changed after it is made: a frozen dataclass's __init__ sets each
+# field through object.__setattr__ (2.3 µs here, against 0.6), and one is made per block stored.
+@dataclass(slots=True)
 class StoreEvent:
     """A block appeared in or left one tier; the daemon maps these to KV events.
 

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
-from typing import NewType
+from typing import NamedTuple, NewType
 
 from kvtier_protocol.namespace import NS_ID_LEN  # bytes in a namespace id (SPEC.md §2.4)
 
@@ -49,9 +48,13 @@ TIER_WIRE_NAMES: dict[Tier, str] = {t: t.name.lower() for t in Tier}
 """Each tier's wire name (SPEC.md §7 lookup ``tiers``), precomputed."""
 
 
-@dataclass(frozen=True, slots=True)
-class Slot:
-    """A byte range in one memory segment of a tier: what a client maps and copies into or out of."""
+class Slot(NamedTuple):
+    """A byte range in one memory segment of a tier: what a client maps and copies into or out of.
+
+    A named tuple (immutable and hashable) rather than a frozen dataclass, whose ``__init__`` sets
+    each field through ``object.__setattr__``: one is made per block reserved (the allocator
+    builds it with ``tuple.__new__``, 0.3 µs here against 1.4).
+    """
 
     segment: int  # index of the segment in the tier's segment list
     offset: int  # byte offset inside the segment

@@ -16,7 +16,10 @@ from kvtier.store.moves import Mover
 from kvtier.store.policy import AdmissionFilter
 from kvtier.store.results import PutStatus, Reservation
 from kvtier.store.stats import EventKind, StoreCounters
-from kvtier.store.types import BlockKey, Tier
+from kvtier.store.types import BlockKey, Slot, Tier, split_key
+
+_GPU, _HOST = Tier.GPU, Tier.HOST  # module constants: Enum member access is a slow path in Python 3.11
+_STORED = EventKind.STORED
 
 
 class BlockWriter:
@@ -47,13 +50,17 @@ class BlockWriter:
         await self.mover.make_room(tier, new_bytes)
         status: list[PutStatus] = []
         blocks: list[BlockMeta | None] = []
+        slots: list[Slot | None] = []
         full = False
         index, mover = self.index, self.mover
+        ns_id = split_key(keys[0])[0] if keys else b""  # the store builds every key of a call from one ns_id
+        recall, add_reserved = self.admission.recall, index.add_reserved
         for key, size in zip(keys, sizes):
             meta = index.get(key)
             if meta is not None:
                 status.append(PutStatus.STORED if meta.committed else PutStatus.PENDING)
                 blocks.append(None)
+                slots.append(None)
                 continue
             # After make_room the slots usually fit as they are (take_slot); allocate evicts.
             slot = None if full else mover.take_slot(tier, size)
@@ -63,14 +70,11 @@ class BlockWriter:
                 full = True
                 status.append(PutStatus.FULL)
                 blocks.append(None)
+                slots.append(None)
                 continue
-            meta = BlockMeta(key, size, priority=priority, prior_accesses=self.admission.recall(key))
-            index.add(meta)
-            index.place(meta, tier, slot)
-            index.lease(meta)
+            blocks.append(add_reserved(key, ns_id, size, tier, slot, priority, recall(key)))
             status.append(PutStatus.RESERVED)
-            blocks.append(meta)
-        slots = [None if m is None else m.host_slot if tier is Tier.HOST else m.gpu_slot for m in blocks]
+            slots.append(slot)
         if not any(m is not None for m in blocks):
             return Reservation(0, slots, status, tier=tier)
         lease = self.leases.open(LeaseKind.PUT, keys, blocks, now + ttl)
@@ -87,21 +91,23 @@ class BlockWriter:
         """
         cfg = self.cfg
         verify = cfg.verify_on_commit or cfg.write_through
+        if not verify:
+            return self._commit_trusted(lease, headers, parsed, checked)
         todo = [(i, meta, buf, h) for i, (meta, buf, h) in enumerate(zip(lease.blocks, headers, parsed))
                 if meta is not None and buf is not None and h is not None]
         payloads: list[bytes | None] = [None] * len(todo)
-        if verify and todo:
+        if todo:
             payloads = await self.mover.snapshot([m for _, m, _, _ in todo], [h.checksum for _, _, _, h in todo])
         now = self.now()
         committed: list[tuple[BlockMeta, bytes]] = []
         for (_, meta, buf, h), payload in zip(todo, payloads):
-            if verify and payload is None:
+            if payload is None:
                 self.counters.checksum_failures += 1
                 continue
             self.index.commit(meta, bytes(buf), h.parent_hash, h.num_tokens, h.checksum, now)
-            if (verify or checked) and meta.host_slot is not None:
+            if meta.host_slot is not None:
                 self.index.mark_host_checked(meta)
-            committed.append((meta, payload or b""))
+            committed.append((meta, payload))
         if cfg.write_through and committed:
             await self.mover.write_disk(committed, announce=False)
         ok = [False] * len(lease.keys)
@@ -116,15 +122,34 @@ class BlockWriter:
                     self.abandon(meta)
         return ok
 
+    def _commit_trusted(self, lease: Lease[BlockMeta], headers: Sequence[bytes | None],
+                        parsed: Sequence[BlockHeader | None], checked: bool) -> list[bool]:
+        """The commit of :meth:`commit` without ``verify_on_commit`` or write-through: nothing to
+        copy or await, each block committed, unleased and announced in one pass."""
+        now = self.now()
+        ok = [False] * len(lease.keys)
+        commit_reserved = self.index.commit_reserved
+        for i, (meta, buf, h) in enumerate(zip(lease.blocks, headers, parsed)):
+            if meta is None:
+                continue
+            if buf is None or h is None:  # abandoned by the client
+                self.index.unlease(meta)
+                self.abandon(meta)
+                continue
+            commit_reserved(meta, bytes(buf), h.parent_hash, h.num_tokens, h.checksum, now, checked=checked)
+            ok[i] = True
+            self._announce(meta)
+        return ok
+
     def _announce(self, meta: BlockMeta) -> None:
         c = self.counters
         c.commits += 1
-        tier = Tier.GPU if meta.gpu_slot is not None else Tier.HOST  # where it was reserved
+        tier = _GPU if meta.gpu_slot is not None else _HOST  # where it was reserved
         c.tiers[tier].bytes_in += meta.size
-        self.mover.emit(EventKind.STORED, tier, meta)
+        self.mover.emit(_STORED, tier, meta)
         if meta.on_disk:
             c.write_throughs += 1
-            self.mover.emit(EventKind.STORED, Tier.DISK, meta)
+            self.mover.emit(_STORED, Tier.DISK, meta)
 
     def abandon(self, meta: BlockMeta) -> None:
         """Drop a block that did not make it: abandoned, bad payload, failed write-through, expired."""

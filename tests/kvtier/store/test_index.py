@@ -181,3 +181,42 @@ def test_lru_membership_follows_every_state_change_and_the_audit_checks_it(index
     assert list(index.victims(Tier.DISK)) == [a] and list(index.victims(Tier.HOST)) == []
     a.queued ^= 0b100  # the record no longer says the disk queue holds it
     assert any("LRU queues" in e for e in index.accounting_errors())
+
+
+def _fields(meta: BlockMeta) -> dict:
+    return {f: getattr(meta, f) for f in BlockMeta.__slots__}
+
+
+@pytest.mark.parametrize("tier", [Tier.HOST, Tier.GPU])
+@pytest.mark.parametrize("checked", [False, True])
+def test_the_fused_reserve_and_commit_steps_equal_the_separate_ones(tier, checked):
+    """add_reserved = add + place + lease, commit_reserved = commit + mark checked + unlease: the
+    same block, the same charges, the same LRU membership and audit."""
+    caps = {Tier.HOST: 1000, Tier.GPU: 1000, Tier.DISK: 5000}
+    fused, apart = BlockIndex(caps, num_classes=3), BlockIndex(caps, num_classes=3)
+    slot = Slot(0, 0, 100)
+    a = fused.add_reserved(key(1), NS, 100, tier, slot, 2, 5)
+    b = BlockMeta(key(1), 100, priority=2, prior_accesses=5)
+    apart.add(b)
+    apart.place(b, tier, slot)
+    apart.lease(b)
+    assert _fields(a) == _fields(b)
+    assert (fused.used, fused.count, fused.pending) == (apart.used, apart.count, apart.pending)
+    assert fused.namespace(NS) == [a] and list(fused.victims(tier)) == []  # pending: never a victim
+    fused.commit_reserved(a, b"h" * 20, None, 16, 7, 3.0, checked=checked)
+    apart.commit(b, b"h" * 20, None, 16, 7, 3.0)
+    if checked and tier is Tier.HOST:
+        apart.mark_host_checked(b)
+    apart.unlease(b)
+    assert _fields(a) == _fields(b)
+    assert (fused.used, fused.count, fused.pending) == (apart.used, apart.count, apart.pending)
+    assert list(fused.victims(tier)) == [a] and fused.accounting_errors() == []
+    assert a.host_checked is (checked and tier is Tier.HOST)
+
+
+def test_a_fused_reserve_beyond_capacity_or_of_a_known_key_is_an_invariant_violation(index):
+    index.add_reserved(key(1), NS, 600, Tier.HOST, Slot(0, 0, 600), 0, 0)
+    with pytest.raises(AssertionError, match="already indexed"):
+        index.add_reserved(key(1), NS, 10, Tier.HOST, Slot(0, 600, 10), 0, 0)
+    with pytest.raises(AssertionError, match="capacity"):
+        index.add_reserved(key(2), NS, 600, Tier.HOST, Slot(0, 600, 600), 0, 0)

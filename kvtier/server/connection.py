@@ -43,10 +43,6 @@ JOIN_WRITE_BYTES = 1 << 20  # frames up to this size are written with one joined
 _serial = itertools.count(1)  # connection numbers, for logs
 
 
-class _Idle(Exception):
-    """The peer sent nothing for idle_timeout_s while no request was in flight."""
-
-
 class Connection:
     """Serves one client until it leaves, misbehaves, idles out, or the data plane stops.
 
@@ -81,17 +77,53 @@ class Connection:
         self._tasks: set[asyncio.Task[None]] = set()
         self._reading: asyncio.Task[None] | None = None
         self._closed = False
+        # The idle timeout is one timer per connection, checked when it fires (_check_idle), not an
+        # asyncio.timeout around every read: those cost a timer scheduled and cancelled each, two
+        # per frame, a fifth of the daemon's time per small request.
+        self._active_at = 0.0  # loop time of the last frame boundary (a frame begun or ended)
+        self._in_frame = False  # between a frame's preamble and its last byte
+        self._idled = False  # the read loop was cancelled by the idle timeout
+        self._watchdog: asyncio.TimerHandle | None = None
 
     async def serve(self) -> None:
         """Read and answer frames until the end of the connection, then clean up."""
         self._reading = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        self._active_at = loop.time()
+        self._watchdog = loop.call_at(self._active_at + self.idle_timeout_s, self._check_idle)
         try:
             await self._read_loop()
         except asyncio.CancelledError:
-            log.debug("%s: stopped reading (shutdown)", self.peer)
+            if not self._idled:
+                log.debug("%s: stopped reading (shutdown)", self.peer)
+            elif self._in_frame:
+                log.info("%s: closed, stalled %.1f s inside a frame", self.peer, self.idle_timeout_s)
+            else:
+                log.info("%s: closed after %.1f s idle", self.peer, self.idle_timeout_s)
         finally:
             self._reading = None
+            if self._watchdog is not None:
+                self._watchdog.cancel()
             await self._finish()
+
+    def _check_idle(self) -> None:
+        """The idle timer: close a connection silent for ``idle_timeout_s`` between frames with
+        nothing in flight, or stalled that long inside a frame (the stream cannot be resumed)."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        due = self._active_at + self.idle_timeout_s
+        if now < due:  # a frame boundary since the timer was set
+            self._watchdog = loop.call_at(due, self._check_idle)
+            return
+        if self._in_frame or not self._tasks:
+            self._watchdog = None
+            self._idled = True
+            if self._reading is not None:
+                self._reading.cancel()
+            return
+        # Requests still in flight: the silence is the daemon's, not the client's.
+        self._active_at = now
+        self._watchdog = loop.call_at(now + self.idle_timeout_s, self._check_idle)
 
     def stop_reading(self) -> None:
         """Take no further requests (shutdown); those in flight still get their answers."""
@@ -109,9 +141,6 @@ class Connection:
         while True:
             try:
                 frame = await self._read_frame()
-            except _Idle:
-                log.info("%s: closed after %.1f s idle", self.peer, self.idle_timeout_s)
-                return
             except Truncated:
                 log.info("%s: the stream ended inside a frame", self.peer)
                 return
@@ -137,31 +166,25 @@ class Connection:
             frame = None  # the request owns it now: its payload buffer is reusable once that ends
 
     async def _read_frame(self) -> fr.Frame | None:
-        """The next frame, as :func:`kvtier.stream.read_frame` reads it, with the idle timeout on
-        the wait for its first bytes (a cancelled wait consumes nothing)."""
+        """The next frame, as :func:`kvtier.stream.read_frame` reads it (a cancelled wait, by the
+        idle timer or shutdown, consumes nothing before the preamble)."""
         reader = self.reader
-        while True:
-            try:
-                async with asyncio.timeout(self.idle_timeout_s):
-                    preamble = await reader.readexactly(fr.PREAMBLE_LEN)
-                break
-            except asyncio.IncompleteReadError as exc:
-                if not exc.partial:
-                    return None
-                raise Truncated("stream ended inside a frame preamble") from exc
-            except TimeoutError:
-                if not self._tasks:
-                    raise _Idle from None
+        try:
+            preamble = await reader.readexactly(fr.PREAMBLE_LEN)
+        except asyncio.IncompleteReadError as exc:
+            if not exc.partial:
+                return None
+            raise Truncated("stream ended inside a frame preamble") from exc
+        loop = asyncio.get_running_loop()
+        self._active_at, self._in_frame = loop.time(), True
         # Both lengths are checked here, before anything more is read or allocated.
         header_len, payload_len, has_payload = fr.parse_preamble(preamble, self.limits)
         try:
-            async with asyncio.timeout(self.idle_timeout_s):
-                head = await reader.readexactly(header_len)
-                body = await read_payload(reader, payload_len, self.buffers) if has_payload else None
+            head = await reader.readexactly(header_len)
+            body = await read_payload(reader, payload_len, self.buffers) if has_payload else None
         except asyncio.IncompleteReadError as exc:
             raise Truncated("stream ended inside a frame") from exc
-        except TimeoutError:
-            raise _Idle from None  # stalled inside a frame: the stream cannot be resumed
+        self._active_at, self._in_frame = loop.time(), False
         header = fr.decode_header(head)
         return fr.Frame(header, memoryview(body).toreadonly() if body is not None else None)
 
@@ -260,16 +283,17 @@ class Connection:
                 else:  # Python 3.11's writelines joins its buffers: one more copy of a payload
                     for buf in bufs:
                         self.writer.write(buf)
-                async with asyncio.timeout(self.idle_timeout_s):
-                    await self.writer.drain()
-            except (ConnectionError, OSError):
-                self._closed = True
-            except TimeoutError:
+                if self.writer.transport.get_write_buffer_size():  # else the socket took it all: no wait
+                    async with asyncio.timeout(self.idle_timeout_s):
+                        await self.writer.drain()
+            except TimeoutError:  # first: TimeoutError is an OSError
                 # The peer stopped reading: its requests could never finish. Dropping the
                 # connection ends the read loop, and the cleanup releases its leases.
                 log.info("%s: peer read nothing for %.1f s; closing", self.peer, self.idle_timeout_s)
                 self._closed = True
                 self.writer.transport.abort()
+            except (ConnectionError, OSError):
+                self._closed = True
 
     async def _send_with_fds(self, data: bytes, fds: list[int]) -> None:
         """Send one frame with ``fds`` attached (SCM_RIGHTS), through the raw socket.
@@ -316,9 +340,12 @@ class Connection:
                 log.exception("%s: releasing lease %d failed", self.peer, lease_id)
         self.session.leases.clear()
         self._closed = True
-        self.writer.close()
+        self.writer.close()  # graceful: answers still buffered go out first ...
         try:
-            await self.writer.wait_closed()
+            async with asyncio.timeout(self.idle_timeout_s):
+                await self.writer.wait_closed()
+        except TimeoutError:  # ... unless the peer reads nothing (first: TimeoutError is an OSError)
+            self.writer.transport.abort()
         except (ConnectionError, OSError):
             pass
 

@@ -48,6 +48,7 @@ LATENCY_BUCKETS = (50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e
 reads of large blocks in the last."""
 
 STORE_TIERS = (Tier.GPU, Tier.HOST, Tier.DISK)
+_MAX_LABEL_PAIRS = 4096  # (op, status) pairs whose children are kept; more are resolved each time
 _LABEL = re.compile(r"[a-z0-9_]{1,40}")
 
 
@@ -265,6 +266,7 @@ class Metrics:
                                     registry=reg)
         self._events = Counter("kvtier_events_published", "KV events published to subscribers.", registry=reg)
         self._connections = Gauge("kvtier_connections", "Open data-plane connections.", registry=reg)
+        self._children: dict[tuple[str, str], tuple[Any, Any]] = {}  # (op, status) -> the two children
         build = Gauge("kvtier_build_info", "Always 1; the version is a label.", ["version"], registry=reg)
         build.labels(__version__).set(1)
         Gauge("kvtier_start_time_seconds", "Unix time the daemon started.", registry=reg).set(time.time())
@@ -298,9 +300,14 @@ class Metrics:
             status: ``ok`` or the error's wire code.
             seconds: time from receipt to reply.
         """
-        op = _label(op)
-        self._requests.labels(op, _label(status)).inc()
-        self._latency.labels(op).observe(max(0.0, seconds))
+        children = self._children.get((op, status))
+        if children is None:  # labels() costs a lock and a tuple per call: resolved once per pair
+            label = _label(op)
+            children = (self._requests.labels(label, _label(status)), self._latency.labels(label))
+            if len(self._children) < _MAX_LABEL_PAIRS:
+                self._children[(op, status)] = children
+        children[0].inc()
+        children[1].observe(max(0.0, seconds))
 
     def add_lookup_tokens(self, hit_tokens: int, miss_tokens: int) -> None:
         """Count the tokens one lookup found and missed."""

@@ -15,7 +15,7 @@ from kvtier_protocol.errors import StorageError
 
 from kvtier.store.shm import map_segment
 from kvtier.store.types import Tier
-from tests.kvtier.server.planekit import (BIG_NS_ID, BLOCK, NS, TOKEN, Plane, big_record, eventually,
+from tests.kvtier.server.planekit import (BIG_NS_ID, BLOCK, CLIENT_LIMITS, NS, TOKEN, Plane, big_record, eventually,
                                           make_recs, open_plane)
 
 
@@ -280,6 +280,40 @@ async def test_idle_connection_is_closed(tmp_path):
         peer = await p.connect(p.unix)
         assert await peer.recv() is None
         await eventually(lambda: p.plane.num_connections == 0)
+
+
+async def test_a_connection_stalled_inside_a_frame_is_closed(tmp_path):
+    async with open_plane(tmp_path, idle_timeout_s=0.3) as p:
+        peer = await p.connect(p.unix)
+        whole = fr.encode_frame_bytes({"op": "ping", "id": 7}, limits=CLIENT_LIMITS)
+        await peer.send_bytes(whole[:fr.PREAMBLE_LEN + 1])  # a preamble, then silence mid-header
+        assert await peer.recv() is None  # closed: the stream cannot be resumed
+        await eventually(lambda: p.plane.num_connections == 0)
+
+
+async def test_a_connection_that_keeps_talking_outlives_the_idle_timeout(tmp_path):
+    async with open_plane(tmp_path, idle_timeout_s=0.3) as p:
+        peer = await p.connect(p.unix)
+        for _ in range(8):  # 0.8 s in all, never 0.3 s silent
+            await asyncio.sleep(0.1)
+            ok(await peer.call("ping"))
+        assert p.plane.num_connections == 1
+        assert await peer.recv() is None  # and once silent, it goes
+        await eventually(lambda: p.plane.num_connections == 0)
+
+
+async def test_a_peer_that_stops_reading_its_answers_is_dropped(tmp_path):
+    """Answers queue up in the daemon while the peer reads nothing; after the idle timeout the
+    connection is dropped (its requests could never finish), and the daemon serves others."""
+    async with open_plane(tmp_path, host_bytes=16 << 20, idle_timeout_s=0.5) as p:
+        peer = await p.connect(p.tcp, token=TOKEN)
+        key, record = big_record(4 << 20)
+        ok(await peer.call("put", record, ns_id=BIG_NS_ID, hashes=[key], lens=[len(record)]))
+        for i in range(40):  # 160 MiB of answers, far beyond the socket buffers; none read
+            await peer.send({"op": "get", "id": 100 + i, "ns_id": BIG_NS_ID, "hashes": [key]})
+        await eventually(lambda: p.plane.num_connections == 0, timeout=10.0)
+        other = await p.connect(p.unix)
+        ok(await other.call("ping"))
 
 
 async def test_commit_tokens_reach_the_events(tmp_path):

@@ -223,14 +223,8 @@ class BlockIndex:
                         checksum: int, now: float, *, checked: bool) -> None:
         """:meth:`commit`, then (``checked``) :meth:`mark_host_checked`, then :meth:`unlease`, in
         one step: the commit hot path, with one LRU refresh instead of two."""
-        assert meta.linked and not meta.committed and meta.leases > 0, "a linked, pending, leased block"
-        assert not meta.on_disk, "the disk charge depends on the header; place on disk after commit"
-        meta.header = header
-        meta.parent_hash = parent_hash
-        meta.num_tokens = num_tokens
-        meta.checksum = checksum
-        meta.state = BlockState.COMMITTED
-        meta.last_access = now
+        assert meta.leases > 0, "commit_reserved() takes a leased block"
+        self._set_committed(meta, header, parent_hash, num_tokens, checksum, now)
         if checked and meta.host_slot is not None:
             meta.host_checked = True
         meta.leases -= 1
@@ -254,7 +248,14 @@ class BlockIndex:
     def commit(self, meta: BlockMeta, header: bytes, parent_hash: bytes | None, num_tokens: int,
                checksum: int, now: float) -> None:
         """Turn a pending block visible, with its header and the header's summary."""
-        assert meta.linked and not meta.committed, "commit() takes a linked pending block"
+        self._set_committed(meta, header, parent_hash, num_tokens, checksum, now)
+        self.pending -= 1
+        self._refresh(meta)
+
+    @staticmethod
+    def _set_committed(meta: BlockMeta, header: bytes, parent_hash: bytes | None, num_tokens: int,
+                       checksum: int, now: float) -> None:
+        assert meta.linked and not meta.committed, "a commit takes a linked pending block"
         assert not meta.on_disk, "the disk charge depends on the header; place on disk after commit"
         meta.header = header
         meta.parent_hash = parent_hash
@@ -262,8 +263,6 @@ class BlockIndex:
         meta.checksum = checksum
         meta.state = BlockState.COMMITTED
         meta.last_access = now
-        self.pending -= 1
-        self._refresh(meta)
 
     # --- placement and accounting ------------------------------------------------------------
 

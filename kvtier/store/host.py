@@ -90,7 +90,9 @@ class HostTier(SlabBackedTier):
     Args:
         capacity_bytes: bytes of the tier (rounded down to whole pages).
         segment_bytes: size of one segment (clamped to the capacity); the largest block.
-        name_prefix: prefix of segment names; each name is ``prefix-pid-random``.
+        name_prefix: prefix of segment names; each name is ``prefix-pid-random``. Segments of this
+            prefix left by a process that is gone (killed before it could unlink them) are
+            removed first (:func:`kvtier.store.shm.reclaim_stale`).
         prefault: fault every page in the background so first writes are not slowed by page faults.
         pin: register the segments with CUDA (page-locked, for fast DMA) in the background.
             None: when CUDA is available. False: never. True: when CUDA is available (never an error).
@@ -111,6 +113,9 @@ class HostTier(SlabBackedTier):
         self.prefault_done = threading.Event()
         self.pin_done = threading.Event()
         self.prefault_error: KVTierError | None = None
+        for name, nbytes in shm.reclaim_stale(name_prefix):  # first: a full /dev/shm would refuse ours
+            log.warning("removed shared-memory segment %s (%d MiB) left by a process that is gone",
+                        name, nbytes >> 20)
         try:
             for size in self._alloc.segment_sizes:
                 name = shm.unique_name(name_prefix)

@@ -38,6 +38,50 @@ def unique_name(prefix: str) -> str:
     return check_name(f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}")
 
 
+def reclaim_stale(prefix: str) -> list[tuple[str, int]]:
+    """Unlink the segments named ``prefix-PID-…`` (:func:`unique_name`) whose process is gone.
+
+    A daemon killed with SIGKILL (the OOM killer, say) cannot unlink its segments, and /dev/shm is
+    memory: gigabytes stay taken until the files go, and a restart allocates as much again. A
+    segment whose pid is alive is left alone, whoever that pid now is. Unlinking is also harmless
+    if a pid were misjudged (another PID namespace sharing /dev/shm): the segments are handed out
+    as descriptors, and the mappings and descriptors already held stay valid.
+
+    Returns:
+        ``(name, bytes)`` of each segment removed.
+    """
+    pattern = re.compile(re.escape(prefix) + r"-(\d+)-[0-9a-f]{12}")
+    removed = []
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return removed
+    for name in names:
+        m = pattern.fullmatch(name)
+        if m is None or _alive(int(m.group(1))):
+            continue
+        path = os.path.join(SHM_DIR, name)
+        try:
+            size = os.stat(path).st_blocks * 512  # what it holds, not its nominal size
+            os.unlink(path)
+        except OSError:  # gone already, or not ours to remove
+            continue
+        removed.append((name, size))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return True  # not a pid this module wrote: leave it
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's live process
+    return True
+
+
 def check_name(name: str) -> str:
     """Return ``name`` if it is a plain segment name (no path separators), else raise InvalidRequest."""
     if not isinstance(name, str) or not _NAME.fullmatch(name) or name in (".", ".."):

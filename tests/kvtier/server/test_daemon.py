@@ -235,6 +235,23 @@ def test_serves_stops_cleanly_and_restart_keeps_the_disk_tier(tmp_path: Path, da
     assert again.stop(signal.SIGINT) == 0 and again.segments() == []
 
 
+def test_a_restart_after_sigkill_removes_the_dead_daemons_segments(tmp_path: Path, daemons: list[Kvtierd]) -> None:
+    d = Kvtierd(tmp_path)
+    daemons.append(d)
+    d.wait_for("kvtierd ready in")
+    left = d.segments()
+    assert left
+    d.proc.kill()  # SIGKILL (the OOM killer, say): nothing is unlinked
+    d.proc.wait(15)
+    assert all(os.path.exists(p) for p in left)
+    again = Kvtierd(tmp_path, prefix=d.prefix)
+    daemons.append(again)
+    again.wait_for("kvtierd ready in")
+    again.wait_for("left by a process that is gone")
+    assert not any(os.path.exists(p) for p in left)  # /dev/shm's memory is back
+    assert again.segments() and again.stop() == 0 and again.segments() == []
+
+
 def test_ready_within_2_s_with_a_4_gib_host_tier_and_no_torch(tmp_path: Path, daemons: list[Kvtierd]) -> None:
     shm = os.statvfs("/dev/shm")
     size = min(4 << 30, shm.f_bavail * shm.f_frsize // 2) >> 20 << 20

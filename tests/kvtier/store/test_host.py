@@ -205,3 +205,39 @@ def test_populate_keeps_contents() -> None:
         assert bytes(t.view(slot)) == b"\x5a" * MIB
         del anchor
         mm.close()
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def _segment_file(name: str, nbytes: int) -> str:
+    path = os.path.join(shm.SHM_DIR, name)
+    with open(path, "wb") as f:
+        f.write(b"x" * nbytes)  # written, so it holds memory as a real segment does
+    return path
+
+
+def test_segments_left_by_a_dead_process_are_removed_at_the_next_start(caplog) -> None:
+    """A daemon killed with SIGKILL cannot unlink its segments; the next host tier of the same
+    prefix removes them (their memory is /dev/shm's), and nothing else."""
+    prefix = f"kvt{os.getpid()}stale"
+    dead = _dead_pid()
+    stale = _segment_file(f"{prefix}-{dead}-{'ab' * 6}", 1 << 20)
+    alive = _segment_file(f"{prefix}-{os.getpid()}-{'cd' * 6}", 4096)  # a live process's: kept
+    other = _segment_file(f"{prefix}x-{dead}-{'ef' * 6}", 4096)  # another prefix: kept
+    odd = _segment_file(f"{prefix}-{dead}-notours", 4096)  # not a name unique_name makes: kept
+    try:
+        with caplog.at_level("WARNING", logger="kvtier.store.host"):
+            t = HostTier(8 * MIB, name_prefix=prefix, prefault=False, pin=False)
+        t.close()
+        assert not os.path.exists(stale)
+        assert all(os.path.exists(p) for p in (alive, other, odd))
+        assert any(os.path.basename(stale) in r.getMessage() and "1 MiB" in r.getMessage() for r in caplog.records)
+        assert shm.reclaim_stale(prefix) == []  # nothing more to remove
+    finally:
+        for path in (stale, alive, other, odd):
+            if os.path.exists(path):
+                os.unlink(path)

@@ -1,10 +1,9 @@
 """The daemon's policy for CPython's cyclic garbage collector: pauses that do not grow with the index.
 
-Why. Every block the daemon indexes is a few objects the collector tracks (its ``BlockMeta``,
-its slot, its queue entries). A full collection walks every tracked object, and CPython starts
-one whenever the objects that survived into the oldest generation have grown by a quarter. With
-a million blocks indexed (three million tracked objects) one such walk holds the event loop for
-~0.9 s on a 2-core machine (``python -m kvtier.server.collector --blocks 1000000``), during
+Why. Every block the daemon indexes is objects the collector tracks (its ``BlockMeta``, its
+slot). A full collection walks every tracked object, and CPython starts one whenever the objects
+that survived into the oldest generation have grown by a quarter. With a million blocks indexed
+(two million tracked objects) one such walk holds the event loop for ~0.95 s on a 2-core machine (``python -m kvtier.server.collector --blocks 1000000``), during
 which no lookup or load is answered; under a steady stream of saves it comes back every few
 hundred thousand blocks stored. The walks find nothing in the index: blocks never form
 reference cycles, they are freed by reference counting the moment the index drops them.
@@ -185,23 +184,17 @@ class CollectorPolicy:
 
 def _main() -> None:
     """``python -m kvtier.server.collector --blocks N``: the pause of a full collection over an
-    index of N blocks, before and after a freeze (the figure in the module doc)."""
+    index of N blocks (``kvtier bench lookup``'s index), before and after a freeze (the figure
+    in the module doc)."""
     import argparse
 
-    from kvtier.store.index import BlockIndex, BlockMeta
-    from kvtier.store.types import Slot, Tier
+    from kvtier.bench.lookup import build_index
 
     parser = argparse.ArgumentParser(description=_main.__doc__)
     parser.add_argument("--blocks", type=int, default=1_000_000)
     args = parser.parse_args()
-    gc.disable()
-    index = BlockIndex({Tier.HOST: 1 << 60, Tier.DISK: 1 << 60}, 4)
-    for i in range(args.blocks):
-        meta = BlockMeta(i.to_bytes(48, "little"), 4096)
-        index.add(meta)
-        index.place(meta, Tier.HOST, Slot(0, i * 4096, 4096))
-        index.commit(meta, bytes(180), None, 16, 1, 0.0)
-    print(f"{args.blocks} blocks indexed, {len(gc.get_objects())} objects tracked")
+    built = build_index(args.blocks)
+    print(f"{len(built.index)} blocks indexed, {len(gc.get_objects())} objects tracked")
     t0 = time.perf_counter()
     gc.collect()
     print(f"full collection: {time.perf_counter() - t0:.3f} s")

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from kvtier.store.policy import PriorityLru
-from kvtier.store.types import TIER_WIRE_NAMES, BlockKey, Slot, Tier, split_key
+from kvtier.store.types import NS_ID_LEN, TIER_WIRE_NAMES, BlockKey, Slot, Tier, split_key
 
 TIERS = (Tier.GPU, Tier.HOST, Tier.DISK)
 """Tiers the index accounts for, fastest first (REMOTE is not local bookkeeping)."""
@@ -192,16 +192,16 @@ class BlockIndex:
         if not meta.committed:
             self.pending += 1
 
-    def add_reserved(self, key: BlockKey, ns_id: bytes, size: int, tier: Tier, slot: Slot, priority: int,
+    def add_reserved(self, key: BlockKey, size: int, tier: Tier, slot: Slot, priority: int,
                      prior_accesses: int) -> BlockMeta:
-        """A new pending block of ``key`` (namespace ``ns_id``) with a copy in memory tier ``tier``
-        at ``slot``, leased once: :meth:`add`, :meth:`place` and :meth:`lease` in one step.
+        """A new pending block of ``key`` with a copy in memory tier ``tier`` at ``slot``, leased
+        once: :meth:`add`, :meth:`place` and :meth:`lease` in one step.
 
         The reserve hot path, run per block of every put: a pending block is in no LRU queue, so
         nothing is refreshed, and the checks are the ones those three would make.
         """
         assert key not in self._blocks, "key already indexed"
-        assert ns_id == key[:len(ns_id)] and 0 <= priority < self.num_classes, "a key of ns_id, a valid priority"
+        assert 0 <= priority < self.num_classes, "priority out of range"
         assert tier is _HOST or tier is _GPU, "memory tiers take a slot"
         assert self.used[tier] + size <= self.capacity[tier], f"{tier.name} capacity exceeded"
         meta = BlockMeta(key, size, priority=priority, prior_accesses=prior_accesses, leases=1, linked=True)
@@ -210,6 +210,7 @@ class BlockIndex:
         else:
             meta.gpu_slot = slot
         self._blocks[key] = meta
+        ns_id = key[:NS_ID_LEN]
         keys = self._by_ns.get(ns_id)
         if keys is None:
             keys = self._by_ns[ns_id] = set()

@@ -33,9 +33,12 @@ _NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}")
 _CHUNK = 64 << 20  # pre-fault granularity: how often a stop request is noticed
 
 
+_RANDOM_BYTES = 6  # of a segment name, after the pid (hex: twice as many characters)
+
+
 def unique_name(prefix: str) -> str:
     """A fresh segment name: ``prefix-pid-random`` (random so a restarted daemon never collides)."""
-    return check_name(f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}")
+    return check_name(f"{prefix}-{os.getpid()}-{secrets.token_hex(_RANDOM_BYTES)}")
 
 
 def reclaim_stale(prefix: str) -> list[tuple[str, int]]:
@@ -50,7 +53,7 @@ def reclaim_stale(prefix: str) -> list[tuple[str, int]]:
     Returns:
         ``(name, bytes)`` of each segment removed.
     """
-    pattern = re.compile(re.escape(prefix) + r"-(\d+)-[0-9a-f]{12}")
+    pattern = re.compile(re.escape(prefix) + rf"-(\d+)-[0-9a-f]{{{2 * _RANDOM_BYTES}}}")  # unique_name's
     removed = []
     try:
         names = os.listdir(SHM_DIR)

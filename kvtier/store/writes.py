@@ -16,7 +16,7 @@ from kvtier.store.moves import Mover
 from kvtier.store.policy import AdmissionFilter
 from kvtier.store.results import PutStatus, Reservation
 from kvtier.store.stats import EventKind, StoreCounters
-from kvtier.store.types import BlockKey, Slot, Tier, split_key
+from kvtier.store.types import BlockKey, Slot, Tier
 
 _GPU, _HOST = Tier.GPU, Tier.HOST  # module constants: Enum member access is a slow path in Python 3.11
 _STORED = EventKind.STORED
@@ -53,7 +53,6 @@ class BlockWriter:
         slots: list[Slot | None] = []
         full = False
         index, mover = self.index, self.mover
-        ns_id = split_key(keys[0])[0] if keys else b""  # the store builds every key of a call from one ns_id
         recall, add_reserved = self.admission.recall, index.add_reserved
         for key, size in zip(keys, sizes):
             meta = index.get(key)
@@ -72,7 +71,7 @@ class BlockWriter:
                 blocks.append(None)
                 slots.append(None)
                 continue
-            blocks.append(add_reserved(key, ns_id, size, tier, slot, priority, recall(key)))
+            blocks.append(add_reserved(key, size, tier, slot, priority, recall(key)))
             status.append(PutStatus.RESERVED)
             slots.append(slot)
         if not any(m is not None for m in blocks):

@@ -195,7 +195,7 @@ def test_the_fused_reserve_and_commit_steps_equal_the_separate_ones(tier, checke
     caps = {Tier.HOST: 1000, Tier.GPU: 1000, Tier.DISK: 5000}
     fused, apart = BlockIndex(caps, num_classes=3), BlockIndex(caps, num_classes=3)
     slot = Slot(0, 0, 100)
-    a = fused.add_reserved(key(1), NS, 100, tier, slot, 2, 5)
+    a = fused.add_reserved(key(1), 100, tier, slot, 2, 5)
     b = BlockMeta(key(1), 100, priority=2, prior_accesses=5)
     apart.add(b)
     apart.place(b, tier, slot)
@@ -215,8 +215,8 @@ def test_the_fused_reserve_and_commit_steps_equal_the_separate_ones(tier, checke
 
 
 def test_a_fused_reserve_beyond_capacity_or_of_a_known_key_is_an_invariant_violation(index):
-    index.add_reserved(key(1), NS, 600, Tier.HOST, Slot(0, 0, 600), 0, 0)
+    index.add_reserved(key(1), 600, Tier.HOST, Slot(0, 0, 600), 0, 0)
     with pytest.raises(AssertionError, match="already indexed"):
-        index.add_reserved(key(1), NS, 10, Tier.HOST, Slot(0, 600, 10), 0, 0)
+        index.add_reserved(key(1), 10, Tier.HOST, Slot(0, 600, 10), 0, 0)
     with pytest.raises(AssertionError, match="capacity"):
-        index.add_reserved(key(2), NS, 600, Tier.HOST, Slot(0, 600, 600), 0, 0)
+        index.add_reserved(key(2), 600, Tier.HOST, Slot(0, 600, 600), 0, 0)

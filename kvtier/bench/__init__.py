@@ -19,7 +19,7 @@ SUITES: dict[str, tuple[str, str]] = {
     "codecs": ("kvtier.bench.codecs", "codec size ratio, error and encode/decode GB/s vs memcpy"),
     "store": ("kvtier.bench.store", "host-tier put/get vs torch copy_; disk write/read vs dd O_DIRECT"),
     "dataplane": ("kvtier.bench.dataplane",
-                  "daemon data plane: put/get over shared memory and TCP vs torch copy_; lookup p50/p99 vs ping"),
+                  "daemon data plane: put/get over shared memory and TCP vs memcpy; lookup p50/p99 vs ping"),
     "ttft": ("kvtier.bench.ttft",
              "time to first token on a prefix hit vs full prefill (reference engine and HF)"),
     "peers": ("kvtier.bench.peers",

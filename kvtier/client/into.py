@@ -26,6 +26,7 @@ from kvtier_protocol.errors import InvalidRequest, KVTierError
 from kvtier_protocol.frames import SlotRef
 from kvtier_protocol.header import BlockHeader, copy_checksummed, decode_header, split_record
 
+from kvtier import memcopy
 from kvtier.client.flows import Flow, acquire_flow, fetch_flow
 from kvtier.client.session import Session
 
@@ -56,7 +57,7 @@ def check_buffers(buffers: Sequence[Any], num_keys: int) -> list[memoryview]:
 def copy_plain(src: memoryview, dst: memoryview) -> None:
     """Copy ``src`` into ``dst`` (same length): a payload the daemon already checked."""
     assert src.nbytes == dst.nbytes, "copy_plain copies equal lengths"
-    dst[:] = src
+    memcopy.copy(dst, src)
 
 
 copy_hashed = copy_checksummed

@@ -5,10 +5,11 @@ Over a unix socket the hello response carries one descriptor per segment (SCM_RI
 (save) and copies payloads out of acquired ones (load), so only metadata crosses the socket::
 
     segment 0 mapping   [ .... | slot (seg 0, off, len) | .... ]
-                                  ^ memoryview copy in / out
+                                  ^ kvtier.memcopy.copy in / out
 
 Every slot the daemon names is bounds-checked against the mapping before it is touched: a wrong
-slot is a protocol error (FrameError), never a write outside the segment. Stdlib only.
+slot is a protocol error (FrameError), never a write outside the segment. Stdlib only (and
+kvtier.memcopy, whose C part is optional).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import TypeVar
 from kvtier_protocol.errors import FrameError, StorageError
 from kvtier_protocol.frames import Segment, SlotRef
 
+from kvtier import memcopy
 from kvtier.client.errors import ConnectionLost
 
 Buffer = bytes | bytearray | memoryview
@@ -107,10 +109,10 @@ class SegmentMap:
             FrameError: the slot lies outside the segments or its length differs from ``data``.
         """
         mm, start, end = self._range(slot)
-        with memoryview(data) as src, memoryview(mm) as dst:
+        with memoryview(data) as src, memoryview(mm) as view, view[start:end] as dst:
             if src.nbytes != end - start:
                 raise FrameError(f"daemon gave a slot of {end - start} bytes for a {src.nbytes}-byte payload")
-            dst[start:end] = src.cast("B") if src.format != "B" or src.ndim != 1 else src
+            memcopy.copy(dst, src)  # streaming stores: the client never reads the payload back
 
     def read_record(self, header: bytes, slot: SlotRef) -> bytes:
         """A private copy of ``header`` followed by the slot's bytes: one whole block record.

@@ -15,11 +15,13 @@ from pathlib import Path
 import pytest
 
 import kvtier.bench
+from kvtier import memcopy
 from kvtier.bench import dataplane
 from kvtier.bench.report import Row
 from kvtier.cli import main
 
-HELP = "daemon data plane: put/get over shared memory and TCP vs torch copy_; lookup p50/p99 vs ping"
+MEMCPY = f"memcpy ({'kvtier.memcopy, non-temporal' if memcopy.NONTEMPORAL else 'plain'}, 1 thread)"
+HELP = "daemon data plane: put/get over shared memory and TCP vs memcpy; lookup p50/p99 vs ping"
 
 
 @pytest.fixture
@@ -47,6 +49,7 @@ def test_quick_dataplane_bench_writes_json(registered: Path, tmp_path: Path) -> 
         for path in ("shm", "tcp"):
             assert f"{path} put {size}" in cases and f"{path} get {size}" in cases
         assert f"shm put {size}, write-behind" in cases  # pipelined and write-behind at once here
+        assert f"memcpy {size} (kvtier.memcopy)" in cases
     for sock in ("unix socket", "tcp"):
         assert [(r["metric"], r["baseline_name"]) for r in doc["rows"]
                 if r["case"] == f"lookup 64 keys, {sock}, vs ping"] == [
@@ -58,7 +61,9 @@ def test_quick_dataplane_bench_writes_json(registered: Path, tmp_path: Path) -> 
             assert row["ratio"] == pytest.approx(row["baseline"] / row["kvtier"])
         else:
             assert (row["metric"], row["unit"]) == ("throughput", "GB/s")
-            assert row["baseline_name"] == "torch copy_ (1 thread)"
+            # every data-plane row against the client's own copy; that copy against torch's
+            expect = "torch copy_ (1 thread)" if row["case"].startswith("memcpy") else MEMCPY
+            assert row["baseline_name"] == expect
             assert row["ratio"] == pytest.approx(row["kvtier"] / row["baseline"])
         assert math.isfinite(row["kvtier"]) and row["kvtier"] > 0 and row["baseline"] > 0
         assert row["kvtier_spread"] >= 0 and row["baseline_spread"] >= 0

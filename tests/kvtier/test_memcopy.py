@@ -1,0 +1,139 @@
+"""kvtier.memcopy: the C routine (non-temporal stores) and its fallback copy the same bytes."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import platform
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvtier import memcopy
+
+COPIES = [pytest.param(memcopy.copy, id="copy"), pytest.param(memcopy.copy_plain, id="copy_plain")]
+NT_MIN = memcopy.NONTEMPORAL_MIN_BYTES or 256 * 1024
+
+
+def _random(n: int, seed: int) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+def test_the_c_routine_is_built_where_a_compiler_is() -> None:
+    # setup.py builds it as optional: a broken build must fail here, not fall back unnoticed.
+    if sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64"):
+        assert memcopy.NATIVE and memcopy.NONTEMPORAL
+        assert memcopy.NONTEMPORAL_MIN_BYTES == 256 * 1024
+        assert memcopy.copy is not memcopy.copy_plain
+    else:
+        assert memcopy.NONTEMPORAL is False or memcopy.NATIVE
+
+
+@pytest.mark.parametrize("copy", COPIES)
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 63, 64, 65, 4095, NT_MIN - 1, NT_MIN, NT_MIN + 1,
+                               NT_MIN + 63, 3 * (1 << 20) + 5])
+@pytest.mark.parametrize("offsets", [(0, 0), (1, 0), (0, 7), (13, 5), (16, 32)])
+def test_copies_every_byte_and_nothing_beyond(copy, n: int, offsets: tuple[int, int]) -> None:
+    # Misaligned starts exercise the head before the first aligned streaming store; odd lengths,
+    # the tail after the last whole 64 bytes. Guard bytes around the destination stay untouched.
+    so, do = offsets
+    src = bytearray(_random(n + so, n))
+    dst = bytearray(b"\xa5" * (n + do + 64))
+    copy(memoryview(dst)[do:do + n], memoryview(src)[so:])
+    assert dst[do:do + n] == src[so:]
+    assert dst[:do] == b"\xa5" * do and dst[do + n:] == b"\xa5" * 64
+
+
+@pytest.mark.parametrize("copy", COPIES)
+def test_copies_into_shared_memory_and_numpy(copy) -> None:
+    n = 2 * (1 << 20) + 3
+    fd = os.memfd_create("kvtier-test-memcopy")
+    try:
+        os.ftruncate(fd, n + 4096)
+        with mmap.mmap(fd, n + 4096) as mm:
+            src = np.frombuffer(_random(n, 7), dtype=np.uint8).copy()
+            with memoryview(mm) as view, view[4096:] as part:
+                copy(part, src)
+            assert mm[4096:] == src.tobytes()
+            out = np.zeros(n, dtype=np.uint8)
+            with memoryview(mm) as view, view[4096:] as part:
+                copy(out, part)
+            assert np.array_equal(out, src)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("copy", COPIES)
+@pytest.mark.parametrize("shift", [-4097, -1, 1, 4097])
+def test_overlapping_buffers_move_like_memmove(copy, shift: int) -> None:
+    n = NT_MIN + 4096  # large enough for the streaming path, were overlap not checked first
+    buf = bytearray(_random(n + 16384, 3))
+    before = bytes(buf)
+    d, s = 8192 + shift, 8192
+    copy(memoryview(buf)[d:d + n], memoryview(buf)[s:s + n])
+    assert buf[d:d + n] == before[s:s + n]
+
+
+@pytest.mark.parametrize("copy", COPIES)
+def test_bad_arguments_are_typed_errors(copy) -> None:
+    with pytest.raises(ValueError, match="3 bytes, source 2"):
+        copy(bytearray(3), b"ab")
+    with pytest.raises(BufferError):
+        copy(b"ab", b"cd")  # read-only destination
+    with pytest.raises(BufferError):
+        copy(memoryview(bytearray(8))[::2], b"abcd")  # not contiguous
+    with pytest.raises(TypeError):
+        copy(bytearray(1), 1)
+    with pytest.raises(TypeError):
+        copy(bytearray(1))  # type: ignore[call-arg]
+
+
+def test_multi_byte_formats_copy_by_bytes() -> None:
+    src = np.arange(NT_MIN // 8 + 3, dtype=np.float64)
+    dst = np.zeros_like(src)
+    memcopy.copy(dst, src)
+    assert np.array_equal(dst, src)
+    with pytest.raises(ValueError):
+        memcopy.copy(np.zeros(4, dtype=np.float32), np.zeros(4, dtype=np.float64))
+
+
+def _others_ran_during(copy, dst: bytearray, src: bytearray) -> bool:
+    """Whether another thread ran while ``copy`` copied, the switch interval set so long that only
+    a released GIL lets it: the counting thread sleeps(0) after each count, handing the GIL back
+    at once, and otherwise cannot run while the copying thread holds it."""
+    counted = [0]
+    stop = threading.Event()
+
+    def count() -> None:
+        while not stop.is_set():
+            counted[0] += 1
+            time.sleep(0)
+
+    interval = sys.getswitchinterval()
+    t = threading.Thread(target=count)
+    t.start()
+    try:
+        time.sleep(0.05)  # the thread runs: counting, yielding
+        sys.setswitchinterval(30.0)
+        before = counted[0]
+        for _ in range(8):
+            copy(dst, src)
+        ran = counted[0] > before
+    finally:
+        sys.setswitchinterval(interval)
+        stop.set()
+        t.join(5)
+    return ran
+
+
+@pytest.mark.skipif(not memcopy.NONTEMPORAL, reason="the streaming path is x86-64 only")
+def test_a_large_copy_lets_other_threads_run() -> None:
+    n = 32 * (1 << 20)
+    src, dst = bytearray(n), bytearray(n)
+    memcopy.copy(dst, src)  # fault both in first
+    assert _others_ran_during(memcopy.copy, dst, src), "the streaming copy held the GIL"
+    # the control: a copy under the GIL lets nobody run, so the check above can tell
+    assert not _others_ran_during(memcopy.copy_plain, dst, src)

@@ -47,6 +47,21 @@ def test_copies_every_byte_and_nothing_beyond(copy, n: int, offsets: tuple[int, 
     assert dst[:do] == b"\xa5" * do and dst[do + n:] == b"\xa5" * 64
 
 
+def test_every_relative_alignment_of_a_streaming_copy() -> None:
+    # The C routine picks its loop by the source's offset from the destination within a cache line
+    # (equal: 16-byte loop; unequal: 32-byte loop where AVX exists): all 64 of them, one size past
+    # the threshold with a ragged tail.
+    n = NT_MIN + 100
+    src = bytearray(_random(n + 128, 11))
+    base = memoryview(src)
+    dst = bytearray(n + 128)
+    for rel in range(64):
+        dst[:] = b"\x00" * len(dst)
+        memcopy.copy(memoryview(dst)[rel:rel + n], base[:n])
+        assert dst[rel:rel + n] == src[:n], f"offset {rel}"
+        assert not any(dst[:rel]) and not any(dst[rel + n:])
+
+
 @pytest.mark.parametrize("copy", COPIES)
 def test_copies_into_shared_memory_and_numpy(copy) -> None:
     n = 2 * (1 << 20) + 3

@@ -12,9 +12,8 @@
  *
  * copy(dst, src): dst a writable C-contiguous buffer, src a C-contiguous buffer of the same byte
  * length (overlap allowed: then memmove). Copies of at least NONTEMPORAL_MIN_BYTES use streaming
- * stores (x86-64 with GCC or Clang: SSE2, which every x86-64 has, and AVX where the CPU has it)
- * and release the GIL while they run; smaller ones are a plain memcpy under the GIL, where
- * releasing it would cost more than the copy.
+ * stores (x86-64: SSE2, which every x86-64 has) and release the GIL while they run; smaller ones
+ * are a plain memcpy under the GIL, where releasing it would cost more than the copy.
  */
 
 #define PY_SSIZE_T_CLEAN
@@ -22,8 +21,8 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
+#if defined(__x86_64__) || defined(_M_X64)
+#include <emmintrin.h>
 #define KVTIER_HAVE_NT 1
 #else
 #define KVTIER_HAVE_NT 0
@@ -35,30 +34,23 @@
 #define NONTEMPORAL_MIN_BYTES ((Py_ssize_t)256 * 1024)
 
 #if KVTIER_HAVE_NT
-/* Both loops copy a head plainly up to a 64-byte aligned destination, then whole destination cache
- * lines with streaming stores, then the tail plainly; the sfence orders the streaming stores
- * before anything the caller does next (e.g. a commit naming these bytes). Whole lines matter: a
- * write-combining buffer flushed with part of a line costs several bus transactions.
+/* A head copied plainly up to a 64-byte aligned destination, then one whole destination cache line
+ * an iteration (unaligned 16-byte loads, aligned streaming stores), then the tail plainly. Whole
+ * lines, because a write-combining buffer flushed with part of a line costs several bus
+ * transactions. The source is prefetched 1 KiB ahead with the non-temporal hint (it is read once;
+ * a prefetch past its end never faults). The sfence orders the streaming stores before anything
+ * the caller does next (e.g. a commit naming these bytes).
  *
- * Which loop runs depends on the source's alignment relative to the destination, measured on the
- * development VM (AMD EPYC, 2-32 MiB blocks over a 256 MiB working set):
- *  - same offset within a cache line (a slot and a tensor, both 64-byte aligned: every load): 16-
- *    byte loads and stores, 64 bytes an iteration, source prefetched 1 KiB ahead with the
- *    non-temporal hint (read once; a prefetch past the end never faults): 8.0-10.8 GB/s, against
- *    7.9-10.1 for the 32-byte loop;
- *  - different offsets (a payload behind its header in a record, into an aligned slot: every
- *    save): 32-byte loads and stores, 128 bytes an iteration, where the CPU has AVX: 7.6-9.5
- *    GB/s, against 7.0-7.4 for the 16-byte loop, whose line-straddling loads stall. */
-static size_t copy_head(char **dst, const char **src, size_t n) {
-    size_t head = (size_t)(-(uintptr_t)*dst & 63u);
-    memcpy(*dst, *src, head);
-    *dst += head;
-    *src += head;
-    return n - head;
-}
-
-static void copy_nontemporal_sse2(char *dst, const char *src, size_t n) {
-    n = copy_head(&dst, &src, n);
+ * Measured on the development VM (AMD EPYC with AVX2), 2 MiB copies: this loop ran 8.2-9.0 GB/s
+ * whatever the source's offset from the destination within a cache line (0, 1, 16, 48, 49), a
+ * 32-byte AVX loop unrolled to 128 bytes 7.2-8.1; and `kvtier bench dataplane`'s memcpy rows fell
+ * from 9.7-10.9 to 8.8-9.3 GB/s with the AVX loop. So SSE2 only, which every x86-64 has. */
+static void copy_nontemporal(char *dst, const char *src, size_t n) {
+    size_t head = (size_t)(-(uintptr_t)dst & 63u);
+    memcpy(dst, src, head);
+    dst += head;
+    src += head;
+    n -= head;
     size_t body = n & ~(size_t)63;
     for (size_t i = 0; i < body; i += 64) {
         _mm_prefetch(src + i + 1024, _MM_HINT_NTA);
@@ -73,33 +65,6 @@ static void copy_nontemporal_sse2(char *dst, const char *src, size_t n) {
     }
     _mm_sfence();
     memcpy(dst + body, src + body, n - body);
-}
-
-__attribute__((target("avx"))) static void copy_nontemporal_avx(char *dst, const char *src, size_t n) {
-    n = copy_head(&dst, &src, n);
-    size_t body = n & ~(size_t)127;
-    for (size_t i = 0; i < body; i += 128) {
-        __m256i a = _mm256_loadu_si256((const __m256i *)(src + i));
-        __m256i b = _mm256_loadu_si256((const __m256i *)(src + i + 32));
-        __m256i c = _mm256_loadu_si256((const __m256i *)(src + i + 64));
-        __m256i d = _mm256_loadu_si256((const __m256i *)(src + i + 96));
-        _mm256_stream_si256((__m256i *)(dst + i), a);
-        _mm256_stream_si256((__m256i *)(dst + i + 32), b);
-        _mm256_stream_si256((__m256i *)(dst + i + 64), c);
-        _mm256_stream_si256((__m256i *)(dst + i + 96), d);
-    }
-    _mm_sfence();
-    memcpy(dst + body, src + body, n - body);
-}
-
-static int have_avx;  /* set once at import */
-
-static void copy_nontemporal(char *dst, const char *src, size_t n) {
-    if (have_avx && (((uintptr_t)dst ^ (uintptr_t)src) & 63u) != 0) {
-        copy_nontemporal_avx(dst, src, n);
-    } else {
-        copy_nontemporal_sse2(dst, src, n);
-    }
 }
 #endif
 
@@ -158,10 +123,6 @@ static PyMethodDef memcopy_methods[] = {
 };
 
 static int memcopy_exec(PyObject *module) {
-#if KVTIER_HAVE_NT
-    __builtin_cpu_init();
-    have_avx = __builtin_cpu_supports("avx");
-#endif
     if (PyModule_AddIntConstant(module, "NONTEMPORAL", KVTIER_HAVE_NT) < 0) {
         return -1;
     }

@@ -48,9 +48,8 @@ def test_copies_every_byte_and_nothing_beyond(copy, n: int, offsets: tuple[int, 
 
 
 def test_every_relative_alignment_of_a_streaming_copy() -> None:
-    # The C routine picks its loop by the source's offset from the destination within a cache line
-    # (equal: 16-byte loop; unequal: 32-byte loop where AVX exists): all 64 of them, one size past
-    # the threshold with a ragged tail.
+    # The streaming loop aligns the destination to a cache line and loads the source wherever it
+    # then lies: all 64 offsets of one from the other, one size past the threshold, a ragged tail.
     n = NT_MIN + 100
     src = bytearray(_random(n + 128, 11))
     base = memoryview(src)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import mmap
 import os
 import platform
+import subprocess
 import sys
-import threading
-import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -114,40 +114,52 @@ def test_multi_byte_formats_copy_by_bytes() -> None:
         memcopy.copy(np.zeros(4, dtype=np.float32), np.zeros(4, dtype=np.float64))
 
 
-def _others_ran_during(copy, dst: bytearray, src: bytearray) -> bool:
-    """Whether another thread ran while ``copy`` copied, the switch interval set so long that only
-    a released GIL lets it: the counting thread sleeps(0) after each count, handing the GIL back
-    at once, and otherwise cannot run while the copying thread holds it."""
+GIL_CHECK = """
+import sys, threading, time
+from kvtier import memcopy
+
+
+def others_ran_during(copy, dst, src):
+    # Whether another thread ran while `copy` copied, the switch interval so long that only a
+    # released GIL lets it: the counting thread sleeps(0) after each count, handing the GIL back
+    # at once, and otherwise cannot run while the copying thread holds it. The interval is set
+    # before the thread starts: a thread already waiting for the GIL under a shorter one would
+    # force a switch when that ran out, whoever held the GIL.
     counted = [0]
     stop = threading.Event()
 
-    def count() -> None:
+    def count():
         while not stop.is_set():
             counted[0] += 1
             time.sleep(0)
 
-    interval = sys.getswitchinterval()
+    sys.setswitchinterval(30.0)
     t = threading.Thread(target=count)
     t.start()
-    try:
-        time.sleep(0.05)  # the thread runs: counting, yielding
-        sys.setswitchinterval(30.0)
-        before = counted[0]
-        for _ in range(8):
-            copy(dst, src)
-        ran = counted[0] > before
-    finally:
-        sys.setswitchinterval(interval)
-        stop.set()
-        t.join(5)
+    time.sleep(0.05)  # the thread runs: counting, yielding
+    before = counted[0]
+    for _ in range(8):
+        copy(dst, src)
+    ran = counted[0] > before
+    stop.set()
+    t.join(5)
+    sys.setswitchinterval(0.005)
     return ran
+
+
+n = 32 << 20
+src, dst = bytearray(n), bytearray(n)
+memcopy.copy(dst, src)  # fault both in first
+print(others_ran_during(memcopy.copy, dst, src), others_ran_during(memcopy.copy_plain, dst, src))
+"""
 
 
 @pytest.mark.skipif(not memcopy.NONTEMPORAL, reason="the streaming path is x86-64 only")
 def test_a_large_copy_lets_other_threads_run() -> None:
-    n = 32 * (1 << 20)
-    src, dst = bytearray(n), bytearray(n)
-    memcopy.copy(dst, src)  # fault both in first
-    assert _others_ran_during(memcopy.copy, dst, src), "the streaming copy held the GIL"
-    # the control: a copy under the GIL lets nobody run, so the check above can tell
-    assert not _others_ran_during(memcopy.copy_plain, dst, src)
+    # In a fresh interpreter: threads other tests left behind could force switches of their own.
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "protocol")])}
+    out = subprocess.run([sys.executable, "-c", GIL_CHECK], capture_output=True, text=True, timeout=120,
+                         cwd=root, env=env, check=True)
+    # the streaming copy lets the other thread run; the control, a copy under the GIL, does not
+    assert out.stdout.split() == ["True", "False"], out.stdout + out.stderr

@@ -8,7 +8,9 @@ self-describing header, and checks every promise a user relies on:
 2. blocks put into host memory come back byte-identical through their shared-memory slots;
 3. with write-through they are on disk, and after a close and reopen they are found again;
 4. a byte flipped on disk is detected and served as a miss, never as data;
-5. every codec round-trips a block within its error bound.
+5. every codec round-trips a block within its error bound;
+6. the clients' bulk copy (``kvtier.memcopy``: which one runs here) moves a multi-MiB payload into
+   a host slot and out again unchanged.
 
 Exit status 0 when all hold; each check prints one line.
 """
@@ -22,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from kvtier import memcopy
 from kvtier.store import StoreConfig, TieredStore
 from kvtier_protocol.block import decode_block, encode_block
 from kvtier_protocol.header import split_record
@@ -61,7 +64,7 @@ async def _put(store: TieredStore, hashes: list[bytes], records: list[bytes]) ->
     res = await store.reserve(NS.ns_id, hashes, [len(p) for _, p in splits])
     for slot, (_, payload) in zip(res.slots, splits):
         if slot is not None:
-            store.host.view(slot)[:] = payload
+            memcopy.copy(store.host.view(slot), payload)
     headers = [bytes(r[: len(r) - len(p)]) for r, (_, p) in zip(records, splits)]
     return await store.commit(res.lease_id, headers)
 
@@ -103,7 +106,30 @@ async def _selftest(data_dir: Path) -> bool:
                       "a byte flipped on disk is detected: served as a miss and dropped, never as data")
 
     ok &= _codecs_round_trip(tensors[0], hashes[0])
+    ok &= await _bulk_copy_round_trip()
     return ok
+
+
+async def _bulk_copy_round_trip() -> bool:
+    """A payload past the streaming threshold, at an odd offset, into a host slot and back."""
+    n = 3 * (1 << 20) + 17
+    payload = bytearray(torch.randint(0, 256, (n + 1,), dtype=torch.uint8,
+                                      generator=torch.Generator().manual_seed(1)).numpy().tobytes())
+    back = bytearray(n)
+    async with TieredStore(StoreConfig(host_bytes=16 << 20, host_prefault=False, host_pin=False)) as store:
+        res = await store.reserve(NS.ns_id, [bytes(32)], [n])
+        slot = res.slots[0]
+        assert slot is not None and store.host is not None, "a 16 MiB host tier holds one 3 MiB block"
+        memcopy.copy(store.host.view(slot), memoryview(payload)[1:])
+        memcopy.copy(back, store.host.view(slot))
+        store.release(res.lease_id)  # abandons the uncommitted slot
+    if memcopy.NONTEMPORAL:
+        which = f"kvtier.memcopy (C, non-temporal stores from {memcopy.NONTEMPORAL_MIN_BYTES >> 10} KiB)"
+    elif memcopy.NATIVE:
+        which = "kvtier.memcopy (C, plain memcpy: no streaming stores on this CPU)"
+    else:
+        which = "plain memcpy (kvtier._memcopy was not built: no C compiler at install?)"
+    return _report(back == payload[1:], f"payload copies into and out of host slots: {which}")
 
 
 def _flip_last_payload_byte(store: TieredStore, key: bytes) -> None:

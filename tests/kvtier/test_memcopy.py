@@ -163,3 +163,17 @@ def test_a_large_copy_lets_other_threads_run() -> None:
                          cwd=root, env=env, check=True)
     # the streaming copy lets the other thread run; the control, a copy under the GIL, does not
     assert out.stdout.split() == ["True", "False"], out.stdout + out.stderr
+
+
+def test_without_the_c_routine_the_plain_copy_stands_in() -> None:
+    # As on a machine where setup.py found no compiler: the import of kvtier._memcopy fails.
+    check = ("import sys; sys.modules['kvtier._memcopy'] = None\n"
+             "from kvtier import memcopy\n"
+             "assert not memcopy.NATIVE and not memcopy.NONTEMPORAL and memcopy.copy is memcopy.copy_plain\n"
+             "src = bytes(range(256)) * 4096; dst = bytearray(len(src)); memcopy.copy(dst, src)\n"
+             "print(dst == src)")
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "protocol")])}
+    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=60,
+                         cwd=root, env=env, check=True)
+    assert out.stdout.strip() == "True", out.stdout + out.stderr

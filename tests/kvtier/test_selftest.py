@@ -14,4 +14,5 @@ def test_selftest_command_passes(tmp_path: Path) -> None:
     lines = out.stdout.splitlines()
     assert lines and all(line.startswith("[ok]") for line in lines), out.stdout
     assert any("flipped on disk" in line for line in lines)
+    assert any(line.startswith("[ok] payload copies into and out of host slots: ") for line in lines)
     assert (tmp_path / "CURRENT").exists() or any(tmp_path.iterdir()), "the disk tier wrote to --data-dir"

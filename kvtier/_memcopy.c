@@ -7,8 +7,8 @@
  * memcpy switches to non-temporal stores only above x86_non_temporal_threshold, which it derives
  * from the cache size the CPU reports; virtual machines often report the host socket's whole L3
  * (64 MiB on the development VM: threshold 48 MiB), so 2-32 MiB blocks never get them. Measured on
- * that VM, 2-32 MiB copies into shared memory over a 256 MiB working set, one thread: 5.6-6.2
- * GB/s with memcpy or torch copy_, 8.8-9.7 GB/s with this (`kvtier bench dataplane` reports both).
+ * that VM, 2-32 MiB copies over a 256 MiB working set, one thread: 5.6-6.8 GB/s with memcpy or
+ * torch copy_, 8.8-10.9 GB/s with this (`kvtier bench dataplane` reports both).
  *
  * copy(dst, src): dst a writable C-contiguous buffer, src a C-contiguous buffer of the same byte
  * length (overlap allowed: then memmove). Copies of at least NONTEMPORAL_MIN_BYTES use streaming

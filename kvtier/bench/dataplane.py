@@ -26,8 +26,8 @@ Rows:
     measures the CPU cache. Records (header + payload, built with kvtier_protocol.header on
     random bytes) are built once, before anything is timed.
   * ``memcpy ...``: that copy next to a torch ``copy_`` of the same bytes (``--memcpy-threads``,
-    default one; earlier versions of this suite used it as the baseline, and ``copy_`` is what
-    glibc's memcpy does here): how much faster the client's copy is than the usual one.
+    default one; the baseline of earlier versions of this suite, as fast as glibc's memcpy here):
+    how much faster the client's copy is than the usual one.
   * ``lookup`` p50 / p99 (ms): ``Client.lookup`` of the chain hashes of a 128K-token prompt
     (512 keys of 256 tokens, all stored, so the daemon walks every one), next to a ``ping`` over
     the same socket: the round trip every call pays, the floor a lookup sits on.

@@ -10,7 +10,7 @@ import pytest
 
 from kvtier.client import NO_HITS, AsyncClient, ConnectionLost, LookupResult, TimedOut
 from kvtier_protocol.errors import FrameError, Unauthorized
-from kvtier_protocol.frames import Limits
+from kvtier_protocol.frames import Frame, Limits
 from tests.kvtier.client.clientkit import NS_ID, eventually, key, make_blocks
 from tests.kvtier.client.peer import Peer
 
@@ -160,3 +160,20 @@ async def test_large_payloads_travel_unjoined_and_land_in_reused_buffers(peer: P
         headers = await kv.load_into(NS_ID, [k for k, _ in blocks], dest, degrade=False)
         assert [bytes(d[:h.payload_len]) for d, h in zip(dest, headers)] == [
             r[len(r) - h.payload_len:] for (_, r), h in zip(blocks, headers)]
+
+
+async def test_a_release_due_while_a_large_frame_goes_out_follows_that_frame(peer: Peer) -> None:
+    # A lease release comes up (the answer of a cancelled acquire) while a large frame is being
+    # written in slices: written then it would land inside that frame, so it waits for its end.
+    async with AsyncClient(f"127.0.0.1:{peer.tcp_port}") as kv:
+        await kv.ping()
+        conn = kv._conn
+        assert conn is not None
+        async with conn._writing:  # as while a put frame goes out slice by slice
+            conn._abandoned("acquire", Frame({"id": 99, "ok": True, "lease": 7}, None))
+            assert len(conn._held_back) == 1 and peer.ops["release"] == 0
+        blocks = make_blocks(2, MiB, tag=b"held")  # one put frame above JOIN_WRITE_BYTES: sliced
+        assert await kv.save(NS_ID, blocks) == ["stored", "stored"]
+        assert conn._held_back == []
+        assert eventually(lambda: peer.ops["release"] == 1)
+        assert await kv.load(NS_ID, [k for k, _ in blocks]) == [r for _, r in blocks]

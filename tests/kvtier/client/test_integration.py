@@ -122,6 +122,55 @@ def test_client_killed_between_reserve_and_commit(daemon: Daemon) -> None:
         writer.communicate()
 
 
+def test_async_tcp_put_frames_go_out_in_slices_never_interleaved(daemon: Daemon) -> None:
+    # Four saves of 9 MiB put frames at once on one connection, with lookups in between: each
+    # large frame is written a slice at a time (aio_transport.WRITE_SLICE_BYTES), awaiting the
+    # socket between slices, and no other frame's bytes may land inside it.
+    chains = [make_blocks(3, 3 * MiB, tag=b"slices%d" % i) for i in range(4)]
+
+    async def run() -> tuple[list[object], list[list[bytes]]]:
+        async with AsyncClient(daemon.tcp, token=daemon.token) as akv:
+            saved = await asyncio.gather(*[akv.save(NS_ID, b) for b in chains],
+                                         *[akv.lookup(NS_ID, [k for k, _ in b]) for b in chains])
+            loaded = await asyncio.gather(*[akv.load(NS_ID, [k for k, _ in b]) for b in chains])
+            return saved, loaded
+
+    saved, loaded = asyncio.run(run())
+    assert saved[:4] == [["stored"] * 3] * 4
+    assert loaded == [[r for _, r in b] for b in chains]
+
+
+def test_async_tcp_put_cancelled_mid_frame_drops_only_its_connection(daemon: Daemon) -> None:
+    # Cancelled between two slices of its put frame, a save leaves the stream mid-frame: the client
+    # aborts that connection (the daemon sees it close, never a torn frame), nothing of it is
+    # stored, and the next call reconnects.
+    blocks = make_blocks(2, 32 * MiB, tag=b"cut")
+    keys = [k for k, _ in blocks]
+
+    async def run() -> tuple[LookupResult, list[str]]:
+        async with AsyncClient(daemon.tcp, token=daemon.token) as akv:
+            await akv.ping()
+            conn = akv._conn
+            assert conn is not None
+            save = asyncio.create_task(akv.save(NS_ID, blocks))
+            deadline = time.monotonic() + 10
+            while not conn._writing.locked():  # the frame is going out, awaiting the socket
+                assert time.monotonic() < deadline and not save.done(), "the put frame never went out in slices"
+                await asyncio.sleep(0)
+            save.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await save
+            assert conn.closed
+            found = await akv.lookup(NS_ID, keys)  # a new connection
+            return found, await akv.save(NS_ID, blocks)
+
+    found, saved = asyncio.run(run())
+    assert found is NO_HITS
+    assert saved == ["stored", "stored"]
+    with Client.connect(daemon.socket) as kv:
+        assert kv.load(NS_ID, keys) == [r for _, r in blocks]
+
+
 def test_tcp_needs_the_token(daemon: Daemon) -> None:
     for token in (None, "not-the-token"):
         with pytest.raises(Unauthorized):

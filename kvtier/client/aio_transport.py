@@ -266,7 +266,7 @@ class AsyncConnection:
         done = False
         try:
             for buf in buffers:
-                with memoryview(buf) as view:
+                with memoryview(buf) as raw, raw.cast("B") as view:  # slices of bytes, whatever the format
                     for start in range(0, len(view), WRITE_SLICE_BYTES):
                         writer.write(view[start:start + WRITE_SLICE_BYTES])
                         if writer.transport.get_write_buffer_size():

@@ -164,9 +164,9 @@ def _block_rows(shm: Client, behind: Client, tcp: Client, nbytes: int, ws: int, 
     dsts = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(n)]
     groups = _batches(n, max(1, batch // nbytes))
     rep = iter(range(1 << 30))
-    into = [[dsts[i].numpy() for i in g] for g in groups]  # the baseline's destinations
     src_views = [s.numpy() for s in srcs]
     dst_views = [d.numpy() for d in dsts]
+    into = [[dst_views[i] for i in g] for g in groups]  # the baseline's destinations
 
     def memcpy() -> float:
         with Timer() as t:

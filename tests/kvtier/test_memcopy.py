@@ -7,15 +7,23 @@ import os
 import platform
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from kvtier import memcopy
+from tests.kvtier.client.daemonkit import ENV, ROOT
 
 COPIES = [pytest.param(memcopy.copy, id="copy"), pytest.param(memcopy.copy_plain, id="copy_plain")]
 NT_MIN = memcopy.NONTEMPORAL_MIN_BYTES or 256 * 1024
+
+
+def _run_fresh(code: str) -> str:
+    """What ``code`` prints, run by a fresh interpreter over the working tree."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=ROOT, env=ENV)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
 
 
 def _random(n: int, seed: int) -> bytes:
@@ -157,12 +165,8 @@ print(others_ran_during(memcopy.copy, dst, src), others_ran_during(memcopy.copy_
 @pytest.mark.skipif(not memcopy.NONTEMPORAL, reason="the streaming path is x86-64 only")
 def test_a_large_copy_lets_other_threads_run() -> None:
     # In a fresh interpreter: threads other tests left behind could force switches of their own.
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "protocol")])}
-    out = subprocess.run([sys.executable, "-c", GIL_CHECK], capture_output=True, text=True, timeout=120,
-                         cwd=root, env=env, check=True)
-    # the streaming copy lets the other thread run; the control, a copy under the GIL, does not
-    assert out.stdout.split() == ["True", "False"], out.stdout + out.stderr
+    # The streaming copy lets the other thread run; the control, a copy under the GIL, does not.
+    assert _run_fresh(GIL_CHECK).split() == ["True", "False"]
 
 
 def test_without_the_c_routine_the_plain_copy_stands_in() -> None:
@@ -172,8 +176,4 @@ def test_without_the_c_routine_the_plain_copy_stands_in() -> None:
              "assert not memcopy.NATIVE and not memcopy.NONTEMPORAL and memcopy.copy is memcopy.copy_plain\n"
              "src = bytes(range(256)) * 4096; dst = bytearray(len(src)); memcopy.copy(dst, src)\n"
              "print(dst == src)")
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "protocol")])}
-    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=60,
-                         cwd=root, env=env, check=True)
-    assert out.stdout.strip() == "True", out.stdout + out.stderr
+    assert _run_fresh(check).strip() == "True"

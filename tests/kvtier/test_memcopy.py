@@ -69,6 +69,25 @@ def test_every_relative_alignment_of_a_streaming_copy() -> None:
         assert not any(dst[:rel]) and not any(dst[rel + n:])
 
 
+
+@pytest.mark.parametrize("distance", [0, 1, 15, 16, 63, 64, 65, 112, 127, 128, 129, 2048, 4096 - 127,
+                                      4096 - 64, 4096 - 1])
+@pytest.mark.parametrize("src_offset", [0, 5, 64])
+def test_streaming_copies_forward_and_backward(distance: int, src_offset: int) -> None:
+    # Destinations 1-127 bytes ahead of the source modulo 4 KiB stream backward (4K aliasing),
+    # all others forward: both loops, both window edges, ragged heads and tails, guard bytes.
+    n = NT_MIN + 100
+    with mmap.mmap(-1, n + 3 * 4096) as a, mmap.mmap(-1, n + 3 * 4096) as b:  # page-aligned bases
+        src = np.frombuffer(a, np.uint8)[src_offset:src_offset + n]
+        src[:] = np.frombuffer(_random(n, distance), np.uint8)
+        dst_all = np.frombuffer(b, np.uint8)
+        dst_all[:] = 0xA5
+        start = src_offset + distance
+        memcopy.copy(dst_all[start:start + n], src)
+        assert (dst_all[start:start + n] == src).all(), f"distance {distance}"
+        assert (dst_all[:start] == 0xA5).all() and (dst_all[start + n:] == 0xA5).all()
+        del src, dst_all  # release the exports before the mappings close
+
 @pytest.mark.parametrize("copy", COPIES)
 def test_copies_into_shared_memory_and_numpy(copy) -> None:
     n = 2 * (1 << 20) + 3

@@ -316,8 +316,11 @@ class BlockIndex:
     def touch(self, meta: BlockMeta, now: float) -> None:
         """Mark ``meta`` most recently used in every tier where it is queued."""
         meta.last_access = now
-        for tier in TIERS:
-            self._lru[tier].touch(meta, meta.priority)
+        queued = meta.queued  # _refresh's record of its queues: no probe of the others
+        if queued:
+            for bit, queue in self._queues:
+                if queued & bit:
+                    queue.touch(meta, meta.priority)
 
     def set_priority(self, meta: BlockMeta, priority: int) -> None:
         assert 0 <= priority < self.num_classes, "priority validated by the caller"
@@ -331,6 +334,13 @@ class BlockIndex:
         """Pin the memory copies of ``meta`` (not victims while leased)."""
         meta.leases += 1
         self._refresh(meta)
+
+    def lease_all(self, metas: Iterable[BlockMeta]) -> None:
+        """:meth:`lease` each of ``metas`` (an acquired prefix: one call, not one per block)."""
+        refresh = self._refresh
+        for meta in metas:
+            meta.leases += 1
+            refresh(meta)
 
     def unlease(self, meta: BlockMeta) -> None:
         assert meta.leases > 0, "unbalanced unlease"

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -172,6 +172,15 @@ class Mover:
         if meta.leases == 0 and meta in self.zombies:
             self.zombies.discard(meta)
             self.free_memory(meta, announce=False)  # its removal was announced when it was removed
+
+    def unlease_all(self, metas: Iterable[BlockMeta]) -> None:
+        """:meth:`unlease` each of ``metas`` (a released get lease: one call, not one per block)."""
+        unlease, zombies = self.index.unlease, self.zombies
+        for meta in metas:
+            unlease(meta)
+            if zombies and meta.leases == 0 and meta in zombies:
+                zombies.discard(meta)
+                self.free_memory(meta, announce=False)
 
     async def remove(self, metas: Sequence[BlockMeta]) -> None:
         """Delete committed blocks from every tier (delete / clear).

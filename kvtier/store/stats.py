@@ -83,6 +83,17 @@ class StoreCounters:
             if disk_on:
                 self.tiers[Tier.DISK].misses += 1
 
+    def count_host_acquire(self, blocks: int, nbytes: int, *, missed: bool, disk_on: bool) -> None:
+        """:meth:`count_acquire` of ``blocks`` blocks (``nbytes`` in all), each found in HOST and
+        read from HOST: the common acquire, counted without a tuple per block."""
+        host = self.tiers[Tier.HOST]
+        host.hits += blocks
+        host.bytes_out += nbytes
+        if missed:
+            host.misses += 1
+            if disk_on:
+                self.tiers[Tier.DISK].misses += 1
+
     def minus(self, other: StoreCounters) -> StoreCounters:
         """Field-wise ``self - other`` (the delta between two snapshots)."""
         out = StoreCounters(tiers={t: c.minus(other.tiers[t]) for t, c in self.tiers.items()})

@@ -388,12 +388,12 @@ class TieredStore:
         return len(expired)
 
     def _end_lease(self, lease: Lease[BlockMeta]) -> None:
+        if lease.kind is not LeaseKind.PUT:
+            self.mover.unlease_all(lease.held)
+            return
         for meta in lease.held:
-            if lease.kind is LeaseKind.PUT:
-                self.index.unlease(meta)
-                self.parts.writer.abandon(meta)
-            else:
-                self.mover.unlease(meta)
+            self.index.unlease(meta)
+            self.parts.writer.abandon(meta)
 
     # --- audit and inspection -------------------------------------------------------------------
 

@@ -122,8 +122,12 @@ def version(name: str, value: Any, limits: Limits) -> int:
 
 
 def headers(name: str, value: Any, limits: Limits) -> tuple[bytes | None, ...]:
-    return tuple(None if h is None else binary(name, h, 1, limits.max_header_len)
-                 for h in array(name, value, limits))
+    value = array(name, value, limits)
+    if set(map(type, value)) <= _BYTES:  # fast path, as in hashes: all present, all bin
+        lens = set(map(len, value))
+        if not lens or (min(lens) >= 1 and max(lens) <= limits.max_header_len):
+            return tuple(value)
+    return tuple(None if h is None else binary(name, h, 1, limits.max_header_len) for h in value)
 
 
 def _slot(name: str, value: Any, limits: Limits) -> SlotRef | str | None:
@@ -138,7 +142,19 @@ def _slot(name: str, value: Any, limits: Limits) -> SlotRef | str | None:
 
 
 def slots(name: str, value: Any, limits: Limits) -> tuple[SlotRef | str | None, ...]:
-    return tuple(_slot(name, v, limits) for v in array(name, value, limits))
+    value = array(name, value, limits)
+    # Fast path (every reserve and acquire answer carries one slot per block): a slot that is
+    # three ints within range passes with a few C-level checks; anything else, the per-item checks.
+    max_len, out = limits.max_payload_len, []
+    for v in value:
+        if type(v) is list and len(v) == 3:
+            segment, offset, length = v
+            if (type(segment) is int and type(offset) is int and type(length) is int
+                    and 0 <= segment <= U64_MAX and 0 <= offset <= U64_MAX and 1 <= length <= max_len):
+                out.append((segment, offset, length))
+                continue
+        out.append(_slot(name, v, limits))
+    return tuple(out)
 
 
 def tiers(name: str, value: Any, limits: Limits) -> tuple[str, ...]:

@@ -7,9 +7,10 @@ import pytest
 
 from kvtier_protocol.errors import InvalidRequest, LimitExceeded
 from kvtier_protocol.frame_codec import Limits
-from kvtier_protocol.wire_checks import MAX_HASH_LEN, MIN_HASH_LEN, TIER_NAMES, binary, hashes, text, tiers
+from kvtier_protocol.wire_checks import (EXISTS, MAX_HASH_LEN, MIN_HASH_LEN, TIER_NAMES, U64_MAX, _slot, array, binary,
+                                         hashes, headers, slots, text, tiers)
 
-LIMITS = Limits(max_batch=8)
+LIMITS = Limits(max_batch=8, max_payload_len=1 << 20, max_header_len=4096)
 
 
 class Bin(bytes):
@@ -58,3 +59,37 @@ def test_tiers_fast_path_agrees_with_per_item_checks(value) -> None:
             tiers("tiers", value, LIMITS)
     else:
         assert tiers("tiers", value, LIMITS) == want
+
+
+def _agrees(check, reference, value) -> None:
+    try:
+        want = reference()
+    except (InvalidRequest, LimitExceeded) as exc:
+        with pytest.raises(type(exc)):
+            check(value)
+    else:
+        got = check(value)
+        assert got == want and type(got) is tuple
+
+
+@pytest.mark.parametrize("value", [
+    [], [[0, 0, 1]] * 8, [[0, 0, 1]] * 9, [[U64_MAX, U64_MAX, 1 << 20]], [[1, 4096, (1 << 20) + 1]],
+    [[0, 0, 0]], [[-1, 0, 8]], [[0, -1, 8]], [[0, U64_MAX + 1, 8]], [[True, 0, 8]], [[0, 0, 8.0]],
+    [[0, 0]], [[0, 0, 8, 0]], [(0, 0, 8)], [None, EXISTS, [2, 64, 8]], ["other"], [b"\x00"], "slots",
+])
+def test_slots_fast_path_agrees_with_per_item_checks(value) -> None:
+    # Every reserve and acquire answer carries a slot per block: three ints take a fast path.
+    def reference():
+        return tuple(_slot("slots", v, LIMITS) for v in array("slots", value, LIMITS))
+    _agrees(lambda v: slots("slots", v, LIMITS), reference, value)
+
+
+@pytest.mark.parametrize("value", [
+    [], [b"h" * 100] * 8, [b"h" * 100] * 9, [b"h", b"h" * 4096], [b""], [b"h" * 4097], [None, b"h"],
+    [Bin(b"h")], [bytearray(b"h")], ["h"], "headers",
+])
+def test_headers_fast_path_agrees_with_per_item_checks(value) -> None:
+    def reference():
+        return tuple(None if h is None else binary("headers", h, 1, LIMITS.max_header_len)
+                     for h in array("headers", value, LIMITS))
+    _agrees(lambda v: headers("headers", v, LIMITS), reference, value)

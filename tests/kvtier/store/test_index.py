@@ -109,6 +109,27 @@ def test_lease_removes_memory_copy_from_victims_but_not_disk_copy(index):
     assert list(index.victims(Tier.HOST)) == [b, a]
 
 
+def test_touch_moves_a_block_only_in_the_queues_that_hold_it(index):
+    a, b = committed(index, 0), committed(index, 1)
+    index.place(a, Tier.DISK)
+    index.place(b, Tier.DISK)
+    index.lease_all([a])  # out of the host queue, still in the disk queue
+    index.touch(a, now=7.0)
+    assert list(index.victims(Tier.DISK)) == [b, a] and a.last_access == 7.0
+    assert list(index.victims(Tier.HOST)) == [b]
+    index.unlease(a)  # back in host, as most recently used
+    assert list(index.victims(Tier.HOST)) == [b, a]
+    assert index.accounting_errors() == []
+
+
+def test_lease_all_is_lease_of_each(index):
+    a, b, c = (committed(index, i) for i in range(3))
+    index.lease_all([a, c])
+    assert (a.leases, b.leases, c.leases) == (1, 0, 1)
+    assert list(index.victims(Tier.HOST)) == [b]
+    assert index.accounting_errors() == []
+
+
 def test_moving_and_pending_blocks_are_never_victims(index):
     a = committed(index, 0)
     index.set_moving(a, True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from kvtier.store.stats import EventKind, EventLog, StoreCounters, StoreEvent
 from kvtier.store.types import Tier
 
@@ -42,6 +44,16 @@ def test_count_acquire_charges_the_tier_the_client_reads_from():
     gpu, host = c.tiers[Tier.GPU], c.tiers[Tier.HOST]
     assert (gpu.hits, gpu.misses, gpu.bytes_out) == (2, 0, 10)
     assert (host.hits, host.misses, host.bytes_out) == (0, 1, 20)
+
+
+@pytest.mark.parametrize("missed", [False, True])
+@pytest.mark.parametrize("disk_on", [False, True])
+def test_count_host_acquire_is_count_acquire_of_blocks_found_and_read_in_host(missed: bool, disk_on: bool):
+    # The acquire fast path (every block in host) counts without a tuple per block.
+    slow, fast = StoreCounters(), StoreCounters()
+    slow.count_acquire([(10, Tier.HOST, Tier.HOST), (30, Tier.HOST, Tier.HOST)], missed=missed, disk_on=disk_on)
+    fast.count_host_acquire(2, 40, missed=missed, disk_on=disk_on)
+    assert fast == slow
 
 
 def test_event_log_drops_the_oldest_beyond_its_bound_and_counts_them():

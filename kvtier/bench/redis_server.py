@@ -82,7 +82,12 @@ class RedisServer:
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.STDOUT)
         import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
 
+        # One attempt per probe: this loop is the retry. redis-py 8 retries a refused connection
+        # for ~4.5 s by default, long enough to hide an exited server behind a PING timeout.
+        once = Retry(NoBackoff(), 0)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             rc = self.proc.poll()
@@ -91,7 +96,7 @@ class RedisServer:
                 self.stop()
                 raise RedisUnavailable(f"redis-server exited with {rc}:\n{tail}")
             try:
-                with redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=1.0) as r:
+                with redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=1.0, retry=once) as r:
                     if r.ping():
                         return
             except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):

@@ -94,11 +94,13 @@ class DeferredFlush:
         with self._cond:
             if self._closed:
                 return
+            idle = self._due is None
             self._due = time.monotonic() + (FLUSH_AFTER_S if self._delay_s is None else self._delay_s)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="kvtier-client-flush", daemon=True)
                 self._thread.start()
-            self._cond.notify()
+            if idle:  # else the thread is waiting for the earlier due time, and looks again then
+                self._cond.notify()
 
     def close(self) -> None:
         """Stop the thread (a pending flush is dropped: the caller flushes itself)."""

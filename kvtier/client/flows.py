@@ -132,11 +132,12 @@ def load_flow(s: Session, ns_id: bytes, hashes: list[bytes]) -> Flow[list[bytes]
 
 
 def acquire_flow(s: Session, ns_id: bytes, hashes: list[bytes], take: TakeSlot[T],
-                 sizes: Sequence[int] | None = None) -> Flow[list[T]]:
+                 sizes: Sequence[int] | None = None, settle: Callable[[], None] | None = None) -> Flow[list[T]]:
     """acquire → ``take(i, key, slot, header, checked)`` per leased block (i: index in ``hashes``; None
-    ends the prefix: a miss) → release (also after an error), pipelined in sub-batches
-    (``sizes``: the most bytes each block can have, if known). Unix socket only."""
-    return (yield from acquire_release_flow(s, ns_id, hashes, take, sizes))
+    ends the prefix: a miss) → ``settle()`` (copies the takes deferred, see
+    ``kvtier.client.pipeline.acquire_release_flow``) → release (also after an error), pipelined in
+    sub-batches (``sizes``: the most bytes each block can have, if known). Unix socket only."""
+    return (yield from acquire_release_flow(s, ns_id, hashes, take, sizes, settle))
 
 
 def fetch_flow(s: Session, ns_id: bytes, hashes: list[bytes], take: TakeRecord[T]) -> Flow[list[T]]:

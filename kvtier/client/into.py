@@ -12,7 +12,9 @@ passes it here instead::
 
 The digest is of the destination's bytes, so what is verified is exactly what the caller gets.
 A slot the daemon reports checked (SPEC §7.4, ``acquire``'s ``verified``) is copied without the
-hash unless the client was made with ``verify="always"``. A record that fails any check is a miss (the prefix ends there; that buffer's contents are then
+hash unless the client was made with ``verify="always"``, with the other such slots of its
+acquired sub-batch in one ``kvtier.memcopy.copy_many`` call (``SegmentMap.read_many``). A record
+that fails any check is a miss (the prefix ends there; that buffer's contents are then
 unspecified), never wrong data. Torch-free.
 """
 
@@ -26,7 +28,6 @@ from kvtier_protocol.errors import InvalidRequest, KVTierError
 from kvtier_protocol.frames import SlotRef
 from kvtier_protocol.header import BlockHeader, copy_checksummed, decode_header, split_record
 
-from kvtier import memcopy
 from kvtier.client.flows import Flow, acquire_flow, fetch_flow
 from kvtier.client.session import Session
 
@@ -52,12 +53,6 @@ def check_buffers(buffers: Sequence[Any], num_keys: int) -> list[memoryview]:
             raise InvalidRequest(f"load_into: buffer {i} must be writable and C-contiguous")
         views.append(view.cast("B") if view.format != "B" or view.ndim != 1 else view)
     return views
-
-
-def copy_plain(src: memoryview, dst: memoryview) -> None:
-    """Copy ``src`` into ``dst`` (same length): a payload the daemon already checked."""
-    assert src.nbytes == dst.nbytes, "copy_plain copies equal lengths"
-    memcopy.copy(dst, src)
 
 
 copy_hashed = copy_checksummed
@@ -113,13 +108,23 @@ def load_into_flow(s: Session, ns_id: bytes, hashes: list[bytes],
             return _checked(h, copy_hashed(payload, _dest(dests, i, h)))
         return (yield from fetch_flow(s, ns_id, hashes, take_record))
     shm = s.shm
+    slots: list[SlotRef] = []  # checked blocks of the current sub-batch, copied by settle()
+    into: list[memoryview] = []
 
     def take_slot(i: int, key: bytes, slot: SlotRef, header: bytes, checked: bool) -> BlockHeader | None:
         h = _header(ns_id, key, header, slot[2])
         if h is None:
             return None
-        if checked:
-            shm.read_into(slot, _dest(dests, i, h), copy_plain)
+        if checked:  # the daemon verified the slot: a plain copy, made with the others in settle()
+            into.append(_dest(dests, i, h))  # first: it raises for a buffer too small
+            slots.append(slot)
             return h
         return _checked(h, shm.read_into(slot, _dest(dests, i, h), copy_hashed))
-    return (yield from acquire_flow(s, ns_id, hashes, take_slot, [d.nbytes for d in dests]))
+
+    def settle() -> None:
+        try:
+            shm.read_many(slots, into)
+        finally:
+            slots.clear()
+            into.clear()
+    return (yield from acquire_flow(s, ns_id, hashes, take_slot, [d.nbytes for d in dests], settle))

@@ -34,7 +34,7 @@ undo itself: a reservation never committed or an acquire never released is relea
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from kvtier_protocol.errors import KVTierError
@@ -125,14 +125,17 @@ def reserve_commit_flow(s: Session, ns_id: bytes, records: list[Record], extras:
         outcome: list[str] = []
         try:
             expect_len("reserve", r.slots, len(chunk))
+            slots, payloads = [], []
             for rec, slot in zip(chunk, r.slots):
                 if slot is None or slot == EXISTS:
                     headers.append(None)
                     outcome.append("full" if slot is None else "exists")
                 else:
-                    shm.write(slot, rec.payload)
+                    slots.append(slot)
+                    payloads.append(rec.payload)
                     headers.append(rec.header)
                     outcome.append("stored")
+            shm.write_many(slots, payloads)  # one call: no Python between the copies
         except KVTierError:
             if r.lease:
                 yield Call("release", {"lease": r.lease}, best_effort=True, wait=False, defer=True)
@@ -185,10 +188,14 @@ def _first_count(s: Session, limit: int, sizes: Sequence[int] | None) -> int:
 
 
 def acquire_release_flow(s: Session, ns_id: bytes, hashes: list[bytes], take: Any,
-                         sizes: Sequence[int] | None = None) -> Flow[list[T]]:
+                         sizes: Sequence[int] | None = None,
+                         settle: Callable[[], None] | None = None) -> Flow[list[T]]:
     """acquire → ``take(i, key, slot, header, checked)`` per leased block (None ends the prefix:
-    a miss) → release, per sub-batch; the next acquire travels while this one is copied.
-    ``sizes``: the most bytes each block can have (sizes the first acquire), if known."""
+    a miss) → ``settle()`` → release, per sub-batch; the next acquire travels while this one is
+    copied. ``sizes``: the most bytes each block can have (sizes the first acquire), if known.
+    ``settle``: finishes what the takes of a sub-batch left to do while its lease holds (copies
+    they deferred, to make them in one call); it runs after the takes of every sub-batch, also
+    when one of them ended the prefix or raised."""
     limit = max(1, min(s.limits.max_batch, s.limits.max_header_len // ACQUIRE_HEADER_BUDGET))
     piped = _piped(s)
     out: list[T] = []
@@ -217,6 +224,11 @@ def acquire_release_flow(s: Session, ns_id: bytes, hashes: list[bytes], take: An
                 found.append(item)
         except KVTierError as exc:
             error = exc
+        if settle is not None:  # the blocks taken so far, also before a miss or an error
+            try:
+                settle()
+            except KVTierError as exc:
+                error = error or exc
         if r.lease:  # always release, also after an error; a lost release expires on its own
             yield Call("release", {"lease": r.lease}, best_effort=True, wait=False, defer=True)
         if error is not None:

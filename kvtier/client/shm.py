@@ -37,6 +37,26 @@ _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 POPULATE_BYTES = 2 << 30
 
 
+class _Views:
+    """Memoryviews taken for one call, released (newest first) when it ends, so that
+    :meth:`SegmentMap.close` can always unmap."""
+
+    def __init__(self) -> None:
+        self._views: list[memoryview] = []
+
+    def keep(self, view: memoryview) -> memoryview:
+        self._views.append(view)
+        return view
+
+    def __enter__(self) -> _Views:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for view in reversed(self._views):
+            view.release()
+        self._views.clear()
+
+
 class SegmentMap:
     """Shared host segments mapped read-write into this process.
 
@@ -113,6 +133,45 @@ class SegmentMap:
             if src.nbytes != end - start:
                 raise FrameError(f"daemon gave a slot of {end - start} bytes for a {src.nbytes}-byte payload")
             memcopy.copy(dst, src)  # streaming stores: the client never reads the payload back
+
+    def write_many(self, slots: Sequence[SlotRef], payloads: Sequence[Buffer]) -> None:
+        """:meth:`write` of ``payloads[i]`` into ``slots[i]`` for every ``i``, the copies made in
+        one call (:func:`kvtier.memcopy.copy_many`) once every slot is checked.
+
+        Raises:
+            FrameError: a slot lies outside the segments or its length differs from its payload
+                (then nothing is copied).
+        """
+        with _Views() as views:
+            srcs = [views.keep(memoryview(p)) for p in payloads]
+            memcopy.copy_many(self._slot_views(slots, [s.nbytes for s in srcs], views), srcs)
+
+    def read_many(self, slots: Sequence[SlotRef], dests: Sequence[memoryview]) -> None:
+        """The bytes of ``slots[i]`` into ``dests[i]`` for every ``i``, in one call (as
+        :meth:`write_many`).
+
+        Raises:
+            FrameError: a slot lies outside the segments or its length differs from its
+                destination (then nothing is copied).
+        """
+        with _Views() as views:
+            memcopy.copy_many(dests, self._slot_views(slots, [d.nbytes for d in dests], views))
+
+    def _slot_views(self, slots: Sequence[SlotRef], lengths: Sequence[int], views: _Views) -> list[memoryview]:
+        """A view of each slot, checked against the segments and against its expected length."""
+        if len(slots) != len(lengths):
+            raise FrameError(f"{len(slots)} slots for {len(lengths)} buffers")
+        bases: dict[int, memoryview] = {}
+        out = []
+        for slot, length in zip(slots, lengths):
+            mm, start, end = self._range(slot)
+            if length != end - start:
+                raise FrameError(f"daemon gave a slot of {end - start} bytes for a {length}-byte payload")
+            base = bases.get(slot[0])
+            if base is None:
+                base = bases[slot[0]] = views.keep(memoryview(mm))
+            out.append(views.keep(base[start:end]))
+        return out
 
     def read_record(self, header: bytes, slot: SlotRef) -> bytes:
         """A private copy of ``header`` followed by the slot's bytes: one whole block record.

@@ -168,10 +168,7 @@ class Mover:
 
     def unlease(self, meta: BlockMeta) -> None:
         """Drop one lease of ``meta``; a block removed while leased is freed with its last lease."""
-        self.index.unlease(meta)
-        if meta.leases == 0 and meta in self.zombies:
-            self.zombies.discard(meta)
-            self.free_memory(meta, announce=False)  # its removal was announced when it was removed
+        self.unlease_all((meta,))
 
     def unlease_all(self, metas: Iterable[BlockMeta]) -> None:
         """:meth:`unlease` each of ``metas`` (a released get lease: one call, not one per block)."""
@@ -180,7 +177,7 @@ class Mover:
             unlease(meta)
             if zombies and meta.leases == 0 and meta in zombies:
                 zombies.discard(meta)
-                self.free_memory(meta, announce=False)
+                self.free_memory(meta, announce=False)  # its removal was announced when it was removed
 
     async def remove(self, metas: Sequence[BlockMeta]) -> None:
         """Delete committed blocks from every tier (delete / clear).

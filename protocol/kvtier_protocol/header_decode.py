@@ -155,6 +155,12 @@ def decode_header(buf: bytes | bytearray | memoryview, *,
         Truncated, BadMagic, UnsupportedVersion, LimitExceeded, ChecksumMismatch (header bytes),
         HeaderError. Nothing else.
     """
+    if type(buf) is bytes and len(buf) - PREAMBLE_LEN <= max_header_len:
+        # Exactly a header seen before (an acquire answer's headers, a client's own records'):
+        # the memo's key, so its preamble and map were checked when the entry was made.
+        known = _DECODED.get((buf, max_payload_len))
+        if known is not None:
+            return known, len(buf)
     view = _byte_view(buf)
     header_len = parse_preamble(view, max_header_len=max_header_len)
     end = PREAMBLE_LEN + header_len

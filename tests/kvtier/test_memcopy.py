@@ -15,6 +15,7 @@ from kvtier import memcopy
 from tests.kvtier.client.daemonkit import ENV, ROOT
 
 COPIES = [pytest.param(memcopy.copy, id="copy"), pytest.param(memcopy.copy_plain, id="copy_plain")]
+MANY = [pytest.param(memcopy.copy_many, id="copy_many"), pytest.param(memcopy.copy_many_plain, id="copy_many_plain")]
 NT_MIN = memcopy.NONTEMPORAL_MIN_BYTES or 256 * 1024
 
 
@@ -87,6 +88,43 @@ def test_streaming_copies_forward_and_backward(distance: int, src_offset: int) -
         assert (dst_all[start:start + n] == src).all(), f"distance {distance}"
         assert (dst_all[:start] == 0xA5).all() and (dst_all[start + n:] == 0xA5).all()
         del src, dst_all  # release the exports before the mappings close
+
+
+@pytest.mark.parametrize("copy_many", MANY)
+def test_copy_many_copies_every_pair(copy_many) -> None:
+    # Small and large pairs in one call (memcpy and both streaming loops), in shared memory too.
+    sizes = [0, 1, 4096, NT_MIN - 1, NT_MIN + 3, 3 * (1 << 20) + 5]
+    srcs = [_random(n, n) for n in sizes]
+    with mmap.mmap(-1, sum(sizes) + 64 * len(sizes)) as mm:
+        with memoryview(mm) as view:
+            dsts, off = [], 0
+            for n in sizes:
+                dsts.append(view[off + 17:off + 17 + n])  # odd offsets, guard bytes between
+                off += n + 64
+            copy_many(dsts + [bytearray(2)], srcs + [b"ab"])
+            assert [bytes(d) for d in dsts] == srcs
+            for d in dsts:
+                d.release()
+        assert copy_many([], []) is None
+
+
+@pytest.mark.parametrize("copy_many", MANY)
+def test_copy_many_checks_every_pair_before_it_copies(copy_many) -> None:
+    big = NT_MIN + 1
+    first = bytearray(big)
+    for dsts, srcs, error in [
+        ([first, bytearray(3)], [_random(big, 1), b"ab"], ValueError),  # lengths of the second pair
+        ([first, b"xy"], [_random(big, 1), b"ab"], BufferError),  # read-only second destination
+        ([first, memoryview(bytearray(8))[::2]], [_random(big, 1), b"abcd"], BufferError),
+        ([first, bytearray(1)], [_random(big, 1), 1], TypeError),
+        ([first], [_random(big, 1), b"a"], ValueError),  # counts differ
+    ]:
+        with pytest.raises(error):
+            copy_many(dsts, srcs)
+        assert first == bytearray(big), "nothing is copied when any pair is bad"
+    with pytest.raises(TypeError):
+        copy_many(1, [])
+
 
 @pytest.mark.parametrize("copy", COPIES)
 def test_copies_into_shared_memory_and_numpy(copy) -> None:
@@ -177,15 +215,18 @@ def others_ran_during(copy, dst, src):
 n = 32 << 20
 src, dst = bytearray(n), bytearray(n)
 memcopy.copy(dst, src)  # fault both in first
-print(others_ran_during(memcopy.copy, dst, src), others_ran_during(memcopy.copy_plain, dst, src))
+many = lambda d, s: memcopy.copy_many([d[:n // 2], d[n // 2:]], [s[:n // 2], s[n // 2:]])
+print(others_ran_during(memcopy.copy, dst, src), others_ran_during(memcopy.copy_plain, dst, src),
+      others_ran_during(many, memoryview(dst), memoryview(src)))
 """
 
 
 @pytest.mark.skipif(not memcopy.NONTEMPORAL, reason="the streaming path is x86-64 only")
 def test_a_large_copy_lets_other_threads_run() -> None:
     # In a fresh interpreter: threads other tests left behind could force switches of their own.
-    # The streaming copy lets the other thread run; the control, a copy under the GIL, does not.
-    assert _run_fresh(GIL_CHECK).split() == ["True", "False"]
+    # The streaming copy lets the other thread run, also copy_many's; the control, a copy under
+    # the GIL, does not.
+    assert _run_fresh(GIL_CHECK).split() == ["True", "False", "True"]
 
 
 def test_without_the_c_routine_the_plain_copy_stands_in() -> None:
@@ -193,6 +234,7 @@ def test_without_the_c_routine_the_plain_copy_stands_in() -> None:
     check = ("import sys; sys.modules['kvtier._memcopy'] = None\n"
              "from kvtier import memcopy\n"
              "assert not memcopy.NATIVE and not memcopy.NONTEMPORAL and memcopy.copy is memcopy.copy_plain\n"
+             "assert memcopy.copy_many is memcopy.copy_many_plain\n"
              "src = bytes(range(256)) * 4096; dst = bytearray(len(src)); memcopy.copy(dst, src)\n"
              "print(dst == src)")
     assert _run_fresh(check).strip() == "True"

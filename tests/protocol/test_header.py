@@ -406,6 +406,17 @@ def test_a_header_decoded_again_is_the_same_and_a_changed_byte_is_still_caught()
         decode_header(buf, max_payload_len=100)
 
 
+def test_exactly_a_memoised_header_is_looked_up_first_but_within_the_header_limit() -> None:
+    # bytes holding exactly a header decoded before (an acquire answer's) skip the preamble parse;
+    # a smaller max_header_len than the one they were decoded under still refuses them.
+    buf = encode_header(raw_header(checksum=31337))
+    first, off = decode_header(bytearray(buf))  # memoised
+    assert decode_header(bytes(buf)) == (first, len(buf)) and off == len(buf)
+    with pytest.raises(LimitExceeded):
+        decode_header(bytes(buf), max_header_len=len(buf) - PREAMBLE_LEN - 1)
+    assert decode_header(bytes(buf) + b"payload")[0] is first  # longer bytes: the full path
+
+
 def test_headers_with_namespace_fields_are_memoised_read_only() -> None:
     fields = {"model": "m", "num_layers": 2, "tenant_salt": ""}
     buf = encode_header(dataclasses.replace(raw_header(checksum=777), ns_fields=fields))

@@ -30,8 +30,12 @@ def test_copy_hashed_equals_one_shot_xxh3(size: int) -> None:
     assert dst == src.tobytes()
 
 
-@pytest.mark.parametrize("path", ["unix", "tcp"])
+@pytest.mark.parametrize("path", ["unix", "unix-checked", "tcp"])
 def test_load_into_copies_the_prefix_and_returns_its_headers(peer: Peer, path: str) -> None:
+    # unix-checked: the daemon reports every slot checked, so the client makes the copies of a
+    # sub-batch in one call once its blocks are taken (SegmentMap.read_many)
+    peer.report_checked = path == "unix-checked"
+    path = path.removesuffix("-checked")
     blocks = make_blocks(3, 2 * MiB) + make_blocks(1, 4096, tag=b"small")
     keys = [k for k, _ in blocks] + [key(99)]
     # mixed buffer kinds, each larger than its payload: the tail must stay untouched
@@ -87,7 +91,9 @@ def test_a_payload_the_daemon_checked_is_hashed_again_only_when_asked(peer: Peer
     assert eventually(lambda: not peer.leases), (peer.ops, peer.leases)
 
 
-def test_bad_buffers_are_refused(peer: Peer) -> None:
+@pytest.mark.parametrize("checked", [False, True])
+def test_bad_buffers_are_refused(peer: Peer, checked: bool) -> None:
+    peer.report_checked = checked  # True: the copies wait for the sub-batch; made after the error too
     blocks = make_blocks(2, 4096)
     keys = [k for k, _ in blocks]
     with pytest.raises(InvalidRequest, match="2 keys"):

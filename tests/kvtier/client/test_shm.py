@@ -56,6 +56,34 @@ def test_slots_outside_the_segments_are_refused(slot: tuple[int, int, int]) -> N
     shm.close()
 
 
+def test_write_many_and_read_many_copy_a_batch() -> None:
+    shm = SegmentMap.from_fds([Segment("a", 8192), Segment("b", 4096)], [memfd(8192), memfd(4096)])
+    shm.write_many([(1, 100, 5), (0, 8190, 2), (0, 0, 3)], [b"hello", memoryview(b"xy"), bytearray(b"abc")])
+    assert shm.read_record(b"", (1, 100, 5)) == b"hello" and shm.read_record(b"", (0, 0, 3)) == b"abc"
+    out = [bytearray(5), bytearray(2)]
+    shm.read_many([(1, 100, 5), (0, 8190, 2)], [memoryview(b) for b in out])
+    assert out == [b"hello", b"xy"]
+    shm.write_many([], [])
+    shm.close()  # no view of a batch outlives its call: the mappings close
+    assert shm.closed
+
+
+@pytest.mark.parametrize("bad", [(1, 0, 1), (0, 4090, 7), (0, 4096, 1)])
+def test_a_bad_slot_in_a_batch_copies_nothing(bad: tuple[int, int, int]) -> None:
+    shm = SegmentMap.from_fds([Segment("a", 4096)], [memfd(4096)])
+    with pytest.raises(FrameError):
+        shm.write_many([(0, 0, 4), bad], [b"good", b"x" * bad[2]])
+    with pytest.raises(FrameError):
+        shm.write_many([(0, 0, 4), (0, 8, 4)], [b"good", b"12345"])  # a slot shorter than its payload
+    assert shm.read_record(b"", (0, 0, 4)) == bytes(4), "the good slot before was not written"
+    with pytest.raises(FrameError):
+        shm.read_many([(0, 0, 4), bad], [memoryview(bytearray(4)), memoryview(bytearray(bad[2]))])
+    with pytest.raises(FrameError):
+        shm.read_many([(0, 0, 4)], [])
+    shm.close()
+    assert shm.closed
+
+
 def test_descriptor_count_and_size_are_checked() -> None:
     fds = [memfd(4096)]
     with pytest.raises(FrameError):

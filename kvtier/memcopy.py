@@ -30,16 +30,21 @@ NONTEMPORAL_MIN_BYTES: int = _memcopy.NONTEMPORAL_MIN_BYTES if _memcopy is not N
 """Copies from this many bytes stream (when :data:`NONTEMPORAL`); smaller ones are a memcpy."""
 
 
+def _check_pair(d: memoryview, s: memoryview, what: str) -> None:
+    """Raise as the C routine does unless ``d`` can take the bytes of ``s``."""
+    if d.readonly:
+        raise BufferError(f"{what}: the destination is read-only")
+    if not (d.c_contiguous and s.c_contiguous):
+        raise BufferError(f"{what}: both buffers must be C-contiguous")
+    if d.nbytes != s.nbytes:
+        raise ValueError(f"{what}: destination holds {d.nbytes} bytes, source {s.nbytes}")
+
+
 def copy_plain(dst: Any, src: Any) -> None:
     """``memcpy`` through memoryview assignment: the fallback, and a reference for benchmarks.
     Same contract as :func:`copy`."""
     with memoryview(dst) as d, memoryview(src) as s:
-        if d.readonly:
-            raise BufferError("copy: the destination is read-only")
-        if not (d.c_contiguous and s.c_contiguous):
-            raise BufferError("copy: both buffers must be C-contiguous")
-        if d.nbytes != s.nbytes:
-            raise ValueError(f"copy: destination holds {d.nbytes} bytes, source {s.nbytes}")
+        _check_pair(d, s, "copy")
         with d.cast("B") as db, s.cast("B") as sb:
             db[:] = sb
 
@@ -48,17 +53,11 @@ def copy_many_plain(dsts: Sequence[Any], srcs: Sequence[Any]) -> None:
     """:func:`copy_plain` of each pair, every pair checked first: the fallback of :func:`copy_many`."""
     if len(dsts) != len(srcs):
         raise ValueError(f"copy_many: {len(dsts)} destinations, {len(srcs)} sources")
-    views = []
+    views: list[memoryview] = []
     try:
         for d, s in zip(dsts, srcs):
-            dv, sv = memoryview(d), memoryview(s)
-            views += (dv, sv)
-            if dv.readonly:
-                raise BufferError("copy_many: a destination is read-only")
-            if not (dv.c_contiguous and sv.c_contiguous):
-                raise BufferError("copy_many: every buffer must be C-contiguous")
-            if dv.nbytes != sv.nbytes:
-                raise ValueError(f"copy_many: destination holds {dv.nbytes} bytes, source {sv.nbytes}")
+            views += (memoryview(d), memoryview(s))
+            _check_pair(views[-2], views[-1], "copy_many")
         for d, s in zip(dsts, srcs):
             copy_plain(d, s)
     finally:

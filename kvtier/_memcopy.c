@@ -140,30 +140,42 @@ static int get_pair(PyObject *dst_obj, PyObject *src_obj, Py_buffer *dst, Py_buf
     return 0;
 }
 
+static void copy_all(const Py_buffer *pairs, Py_ssize_t count) {
+    for (Py_ssize_t i = 0; i < count; i++) {
+        copy_one((char *)pairs[2 * i].buf, (const char *)pairs[2 * i + 1].buf, (size_t)pairs[2 * i].len);
+    }
+}
+
+/* copy_one of each exported pair (pairs[2i] the destination, pairs[2i + 1] its source), without the
+ * GIL when any of them is large enough to stream: the buffers stay exported meanwhile, so none can
+ * be resized or freed under the copy. Smaller copies keep the GIL: releasing it would cost more. */
+static void copy_pairs(const Py_buffer *pairs, Py_ssize_t count) {
+    int large = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        large |= pairs[2 * i].len >= NONTEMPORAL_MIN_BYTES;
+    }
+    if (KVTIER_HAVE_NT && large) {
+        Py_BEGIN_ALLOW_THREADS
+        copy_all(pairs, count);
+        Py_END_ALLOW_THREADS
+    } else {
+        copy_all(pairs, count);
+    }
+}
+
 static PyObject *memcopy_copy(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
     if (nargs != 2) {
         PyErr_Format(PyExc_TypeError, "copy(dst, src) takes 2 arguments, got %zd", nargs);
         return NULL;
     }
-    Py_buffer dst, src;
-    if (get_pair(args[0], args[1], &dst, &src, "copy") < 0) {
+    Py_buffer pair[2];
+    if (get_pair(args[0], args[1], &pair[0], &pair[1], "copy") < 0) {
         return NULL;
     }
-    char *d = (char *)dst.buf;
-    const char *s = (const char *)src.buf;
-    size_t n = (size_t)dst.len;
-    if (KVTIER_HAVE_NT && dst.len >= NONTEMPORAL_MIN_BYTES) {
-        /* Both buffers stay exported (held by dst/src) while the GIL is released, so neither can
-         * be resized or freed under the copy. */
-        Py_BEGIN_ALLOW_THREADS
-        copy_one(d, s, n);
-        Py_END_ALLOW_THREADS
-    } else {
-        copy_one(d, s, n);
-    }
-    PyBuffer_Release(&src);
-    PyBuffer_Release(&dst);
+    copy_pairs(pair, 1);
+    PyBuffer_Release(&pair[1]);
+    PyBuffer_Release(&pair[0]);
     Py_RETURN_NONE;
 }
 
@@ -201,26 +213,14 @@ static PyObject *memcopy_copy_many(PyObject *module, PyObject *const *args, Py_s
         PyErr_NoMemory();
         goto done;
     }
-    int large = 0;
     for (; held < count; held++) {
         Py_buffer *pair = bufs + 2 * held;
         if (get_pair(PySequence_Fast_GET_ITEM(dsts, held), PySequence_Fast_GET_ITEM(srcs, held), pair, pair + 1,
                      "copy_many") < 0) {
             goto done;
         }
-        large |= pair->len >= NONTEMPORAL_MIN_BYTES;
     }
-    if (KVTIER_HAVE_NT && large) {
-        Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t i = 0; i < count; i++) {
-            copy_one((char *)bufs[2 * i].buf, (const char *)bufs[2 * i + 1].buf, (size_t)bufs[2 * i].len);
-        }
-        Py_END_ALLOW_THREADS
-    } else {
-        for (Py_ssize_t i = 0; i < count; i++) {
-            copy_one((char *)bufs[2 * i].buf, (const char *)bufs[2 * i + 1].buf, (size_t)bufs[2 * i].len);
-        }
-    }
+    copy_pairs(bufs, count);
     result = Py_NewRef(Py_None);
 done:
     for (Py_ssize_t i = 0; i < held; i++) {

@@ -128,11 +128,7 @@ class SegmentMap:
         Raises:
             FrameError: the slot lies outside the segments or its length differs from ``data``.
         """
-        mm, start, end = self._range(slot)
-        with memoryview(data) as src, memoryview(mm) as view, view[start:end] as dst:
-            if src.nbytes != end - start:
-                raise FrameError(f"daemon gave a slot of {end - start} bytes for a {src.nbytes}-byte payload")
-            memcopy.copy(dst, src)  # streaming stores: the client never reads the payload back
+        self.write_many((slot,), (data,))  # streaming stores: the client never reads the payload back
 
     def write_many(self, slots: Sequence[SlotRef], payloads: Sequence[Buffer]) -> None:
         """:meth:`write` of ``payloads[i]`` into ``slots[i]`` for every ``i``, the copies made in
@@ -192,10 +188,8 @@ class SegmentMap:
         Raises:
             FrameError: the slot lies outside the segments or its length differs from ``dest``.
         """
-        mm, start, end = self._range(slot)
-        if dest.nbytes != end - start:
-            raise FrameError(f"daemon gave a slot of {end - start} bytes for a {dest.nbytes}-byte payload")
-        with memoryview(mm) as view, view[start:end] as part:
+        with _Views() as views:
+            (part,) = self._slot_views((slot,), (dest.nbytes,), views)
             return copy(part, dest)
 
     def close(self) -> None:

@@ -29,13 +29,14 @@ T = TypeVar("T")
 Ticket = NewType("Ticket", int)
 """A request sent with ``wait=False``, for :class:`Await` (unique within one flow)."""
 
-LEASE_OPS = ("acquire", "reserve")
+LEASE_OPS = ("acquire", "reserve", "grant")
 """Requests whose answer grants a lease: a forgotten answer of one is released."""
 
-BLIND_OPS = frozenset({"reserve", "commit", "release", "ping"})
-"""Requests that may travel while write-behind commits are unanswered: none of them reads what
-a commit changes (a reserve of a key being committed answers "exists", as it would after). Every
-other request first waits for those answers, so that a client reads its own writes."""
+BLIND_OPS = frozenset({"reserve", "commit", "release", "ping", "grant", "place"})
+"""Requests that may travel while write-behind commits (or places) are unanswered: none of them
+reads what a commit changes (a reserve of a key being committed answers "exists", as it would
+after; a place of one answers "exists"). Every other request first waits for those answers, so
+that a client reads its own writes."""
 
 JUMP_OPS = frozenset({"reserve", "acquire"})
 """Requests written ahead of the deferred ones still held back (commits, releases): the daemon

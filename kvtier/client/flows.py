@@ -9,7 +9,8 @@ requests say, batching within the daemon's limits, the shared-memory copies and 
 what comes back. A flow has no ``yield`` in a ``finally`` block, so a driver may close it at any
 point::
 
-    save, unix socket:  reserve(sizes) -> copy payloads into slots -> commit(headers)   (pipelined,
+    save, unix socket:  copy payloads into granted slots -> place(headers) + grant    (granted.py)
+                        or reserve(sizes) -> copy payloads into slots -> commit(headers) (pipelined,
     load, unix socket:  acquire -> copy records out, verify* -> release                 pipeline.py)
     save, TCP:          put(records inline)
     load, TCP:          get -> verify
@@ -27,7 +28,8 @@ from kvtier_protocol.errors import FrameError, LimitExceeded
 from kvtier_protocol.frames import SlotRef
 
 from kvtier.client.calls import Await, Call, Flow, Ticket, expect_len
-from kvtier.client.pipeline import acquire_release_flow, reserve_commit_flow
+from kvtier.client.granted import shm_save_flow
+from kvtier.client.pipeline import acquire_release_flow
 from kvtier.client.records import Record, verified_record
 from kvtier.client.session import Session
 
@@ -100,15 +102,15 @@ def _extras(tokens: list | None, unit_hashes: list | None, lo: int, hi: int) -> 
 
 def save_flow(s: Session, ns_id: bytes, records: list[Record], tokens: list | None,
               unit_hashes: list | None, priority: int) -> Flow[list[str]]:
-    """Save records: reserve/copy/commit over shared memory, else put. Per key: "stored",
-    "exists" or "full"."""
+    """Save records: over shared memory, copy into granted slots then place, or reserve/copy/
+    commit (kvtier.client.granted); else put. Per key: "stored", "exists" or "full"."""
     for rec in records:
         if rec.record.nbytes > s.limits.max_payload_len:
             raise LimitExceeded(f"record of {rec.record.nbytes} bytes above the daemon's limit "
                                 f"{s.limits.max_payload_len}")
     if s.shm is not None:
         extras = {"tokens": tokens, "unit_hashes": unit_hashes}
-        return (yield from reserve_commit_flow(s, ns_id, records, extras, priority))
+        return (yield from shm_save_flow(s, ns_id, records, extras, priority))
     results: list[str] = []
     for lo, hi in _put_batches(s, records):
         chunk = records[lo:hi]

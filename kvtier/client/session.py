@@ -15,6 +15,7 @@ from kvtier_protocol import PROTOCOL_VERSION
 from kvtier_protocol.errors import UnsupportedVersion
 from kvtier_protocol.frames import HelloResponse, Limits
 
+from kvtier.client.grants import GrantPool, pool_limit
 from kvtier.client.options import ClientOptions
 from kvtier.client.shm import SegmentMap
 
@@ -35,6 +36,8 @@ class Session:
         trust_checked: skip hashing slots the daemon reports checked (``ClientOptions.verify``).
         pipeline_bytes: payload bytes per pipelined sub-batch, 0: none (``ClientOptions``).
         write_behind: saves do not wait for their commits' answers (``ClientOptions``).
+        grants: the slots granted to this connection ahead of saves (kvtier.client.grants), or
+            None (TCP, or ``ClientOptions.grant_bytes`` 0).
     """
 
     server: str
@@ -44,6 +47,7 @@ class Session:
     trust_checked: bool = False
     pipeline_bytes: int = 0
     write_behind: bool = False
+    grants: GrantPool | None = None
 
     def close(self) -> None:
         """Unmap the segments (idempotent)."""
@@ -84,6 +88,8 @@ def open_session(response: HelloResponse, fds: Sequence[int], options: ClientOpt
         for fd in fds:
             os.close(fd)
     lease_ms = min(options.lease_ms, response.limits.max_lease_ms)
+    limit = pool_limit(options.grant_bytes, sum(seg.size for seg in response.segments))
     return Session(server=response.server, limits=response.limits, shm=shm, lease_ms=lease_ms,
                    trust_checked=options.verify == "auto", pipeline_bytes=options.pipeline_bytes,
-                   write_behind=options.write_behind)
+                   write_behind=options.write_behind,
+                   grants=GrantPool(limit) if shm is not None and limit > 0 else None)

@@ -8,6 +8,8 @@ descriptor passing, in-flight limits) are :mod:`kvtier.server.connection`'s.
 ::
 
     reserve ─► Session.leases[id] = PutLease ─► commit ─► store.commit ─► note token info
+    grant   ─► Session.leases[id] = GrantLease ─► place (any slots, any number of times) ─►
+               store.place ─► note token info
     put     ─► check records ─► reserve ─► copy payloads into host slots ─► commit   (all or nothing)
     get     ─► acquire ─► copy header + payload of each block out ─► release
 """
@@ -29,7 +31,7 @@ from kvtier_protocol.namespace import Namespace
 from kvtier.buffers import PayloadBuffers
 from kvtier.server.events import BlockTokens
 from kvtier.server.inline import check_records, copy_checked, copy_out, run_sized
-from kvtier.store.results import PutStatus
+from kvtier.store.results import PlaceStatus, PutStatus
 from kvtier.store.types import Slot
 
 if TYPE_CHECKING:
@@ -50,6 +52,14 @@ class PutLease:
 
 
 @dataclass(slots=True)
+class GrantLease:
+    """What a connection remembers of one of its grants: the positions not placed yet (the grant
+    ends, and is forgotten, when none is left)."""
+
+    open: set[int]
+
+
+@dataclass(slots=True)
 class Session:
     """Per-connection state the operations read and change.
 
@@ -58,8 +68,8 @@ class Session:
         hello_done: a hello succeeded; other requests are served from then on.
         has_segments: the hello response carried the host segments (shared-memory ops allowed).
         authenticated: the hello presented the daemon's token (or none is configured).
-        leases: the leases this connection holds: a PutLease for a reservation, None for an
-            acquire. Every one still here when the connection ends is released.
+        leases: the leases this connection holds: a PutLease for a reservation, a GrantLease for
+            a grant, None for an acquire. Every one still here when the connection ends is released.
         scope: the store (and event hub) this connection's requests go to, chosen at hello from
             its token; None: the default store.
     """
@@ -68,7 +78,7 @@ class Session:
     hello_done: bool = False
     has_segments: bool = False
     authenticated: bool = False
-    leases: dict[int, PutLease | None] = field(default_factory=dict)
+    leases: dict[int, PutLease | GrantLease | None] = field(default_factory=dict)
     scope: Scope | None = None
 
 
@@ -90,7 +100,7 @@ class RequestHandler:
         Raises:
             KVTierError: the typed error to answer with.
         """
-        if req.OP in ("reserve", "commit", "acquire") and not session.has_segments:
+        if req.OP in _SHM_OPS and not session.has_segments:
             raise InvalidRequest(f"{req.OP} needs the shared-memory segments of a unix socket "
                                  "connection; use put/get")
         method = getattr(self, "_" + req.OP)
@@ -120,7 +130,7 @@ class RequestHandler:
 
     async def _commit(self, req: fr.CommitRequest, session: Session) -> fr.Message:
         info = session.leases.get(req.lease)
-        if info is None:
+        if not isinstance(info, PutLease):
             raise LeaseError(f"no reservation {req.lease} on this connection")
         scope = self.scope(session)
         try:
@@ -135,6 +145,38 @@ class RequestHandler:
             del session.leases[req.lease]
         _note_tokens(scope, info.ns_id, tokens, ok)
         return fr.CommitResponse(req.id, sum(ok))
+
+    async def _grant(self, req: fr.GrantRequest, session: Session) -> fr.Message:
+        store = self.scope(session).store
+        res = await store.grant(req.sizes, lease_s=req.lease_ms / 1000,
+                                priority=_priority(store, req.priority))
+        if res.lease_id:
+            session.leases[res.lease_id] = GrantLease({i for i, s in enumerate(res.slots) if s is not None})
+        slots = tuple(None if s is None else _slot_ref(s) for s in res.slots)
+        return fr.GrantResponse(req.id, res.lease_id, slots)
+
+    async def _place(self, req: fr.PlaceRequest, session: Session) -> fr.Message:
+        info = session.leases.get(req.lease)
+        if not isinstance(info, GrantLease):
+            raise LeaseError(f"no grant {req.lease} on this connection")
+        scope = self.scope(session)
+        headers: Sequence[bytes] = req.headers  # type: ignore[assignment]  # PlaceRequest: never nil
+        tokens = self._token_info(req.hashes, headers, req.tokens, req.unit_hashes)
+        _maybe_register(scope.store, req.ns_id, headers)
+        store = scope.store
+        verified = store.config.verify_on_commit or store.config.write_through  # else no key fails
+        before = store.counters.checksum_failures if verified else 0
+        # A refused place raises here, having changed nothing: its positions stay granted.
+        done = await store.place(req.lease, req.ns_id, req.hashes, req.positions, headers)
+        info.open.difference_update(req.positions)  # placed, or freed for keys already stored
+        if not info.open:
+            del session.leases[req.lease]
+        ok = [d is PlaceStatus.PLACED for d in done]
+        failed = sum(d is PlaceStatus.FAILED for d in done)
+        if failed:  # all or nothing, like commit
+            await _undo(store, req.ns_id, req.hashes, ok, failed, before)
+        _note_tokens(scope, req.ns_id, tokens, ok)
+        return fr.PlaceResponse(req.id, tuple("stored" if good else "exists" for good in ok))
 
     async def _acquire(self, req: fr.AcquireRequest, session: Session) -> fr.Message:
         got = await self.scope(session).store.acquire(req.ns_id, req.hashes, lease_s=req.lease_ms / 1000)
@@ -304,16 +346,24 @@ async def _commit_all(store: TieredStore, lease_id: int, headers: Sequence[bytes
     before = store.counters.checksum_failures if verified else 0
     ok = await store.commit(lease_id, headers, checked=checked)
     failed = [i for i, buf in enumerate(headers) if buf is not None and not ok[i]]
-    if not failed:
-        return ok
+    if failed:
+        await _undo(store, ns_id, hashes, ok, len(failed), before)
+    return ok
+
+
+async def _undo(store: TieredStore, ns_id: bytes, hashes: Sequence[bytes], ok: Sequence[bool], failed: int,
+                checksum_failures_before: int) -> None:
+    """Delete the keys a commit or place made visible (``ok``) when ``failed`` others did not
+    make it, then raise why: ChecksumMismatch when the store counted bad payloads since
+    ``checksum_failures_before``, else StorageError (a failed write-through)."""
     await store.delete(ns_id, [h for h, done in zip(hashes, ok) if done])
-    if store.counters.checksum_failures > before:
-        raise ChecksumMismatch(f"{len(failed)} payloads do not match their header checksums; "
+    if store.counters.checksum_failures > checksum_failures_before:
+        raise ChecksumMismatch(f"{failed} payloads do not match their header checksums; "
                                "nothing was committed")
-    raise StorageError(f"{len(failed)} blocks could not be written through to disk; "
-                       "nothing was committed")
+    raise StorageError(f"{failed} blocks could not be written through to disk; nothing was committed")
 
 
+_SHM_OPS = frozenset({"reserve", "commit", "acquire", "grant", "place"})
 _NOT_RESERVED = {PutStatus.STORED: fr.EXISTS, PutStatus.PENDING: fr.EXISTS, PutStatus.FULL: None}
 _PUT_RESULT = {PutStatus.STORED: "exists", PutStatus.PENDING: "exists", PutStatus.FULL: "full",
                PutStatus.RESERVED: "full"}  # RESERVED but not committed only happens on failure

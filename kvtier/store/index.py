@@ -220,6 +220,25 @@ class BlockIndex:
         self.count[tier] += 1
         return meta
 
+    def rename(self, meta: BlockMeta, key: BlockKey, prior_accesses: int) -> None:
+        """Move a pending block to ``key``: a granted slot (under a placeholder key, see
+        ``kvtier.store.types.GRANT_NS``) becomes the block the client wrote into it.
+        ``prior_accesses``: what the admission filter recalls of ``key``."""
+        assert not meta.committed and meta.linked, "only pending, linked blocks are renamed"
+        assert key not in self._blocks, "key already indexed"
+        old = self._by_ns[meta.ns_id]
+        old.discard(meta.key)
+        if not old:
+            del self._by_ns[meta.ns_id]
+        del self._blocks[meta.key]
+        meta.key = key
+        meta.prior_accesses = prior_accesses
+        self._blocks[key] = meta
+        keys = self._by_ns.get(key[:NS_ID_LEN])
+        if keys is None:
+            keys = self._by_ns[key[:NS_ID_LEN]] = set()
+        keys.add(key)
+
     def commit_reserved(self, meta: BlockMeta, header: bytes, parent_hash: bytes | None, num_tokens: int,
                         checksum: int, now: float, *, checked: bool) -> None:
         """:meth:`commit`, then (``checked``) :meth:`mark_host_checked`, then :meth:`unlease`, in

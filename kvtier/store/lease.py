@@ -20,6 +20,7 @@ B = TypeVar("B")
 class LeaseKind(enum.Enum):
     PUT = "put"  # reserve → commit: the blocks are pending, their slots are being written
     GET = "get"  # acquire → release: the blocks are committed, their slots are being read
+    GRANT = "grant"  # grant → place: slots without keys yet (placeholder blocks), being written
 
 
 @dataclass(slots=True, eq=False)

@@ -29,6 +29,14 @@ class PutStatus(enum.Enum):
     FULL = "full"  # no room even after eviction (every later new key is FULL too)
 
 
+class PlaceStatus(enum.Enum):
+    """What ``place`` did with one key written into a granted slot."""
+
+    PLACED = "placed"  # the block is now visible
+    EXISTS = "exists"  # the key was already stored (or being written): the slot was freed
+    FAILED = "failed"  # refused by verify_on_commit or write-through (bad payload, failed disk write)
+
+
 @dataclass(frozen=True, slots=True)
 class Reservation:
     """Answer to ``reserve``: one entry per key, in the caller's order.

@@ -40,7 +40,7 @@ from kvtier.store.lease import Lease, LeaseKind, LeaseTable
 from kvtier.store.moves import MEMORY_TIERS, Mover
 from kvtier.store.parts import Shared, StoreParts, close_parts, open_parts
 from kvtier.store.policy import AdmissionFilter
-from kvtier.store.results import Acquired, BlockInfo, CheckReport, LookupResult, Reservation
+from kvtier.store.results import Acquired, BlockInfo, CheckReport, LookupResult, PlaceStatus, Reservation
 from kvtier.store.scrub import CommitScrubber
 from kvtier.store.stats import EventLog, StoreCounters, StoreEvent, StoreGauges, TierGauges
 from kvtier.store.types import BlockKey, Tier
@@ -229,7 +229,8 @@ class TieredStore:
             return await reader.acquire(keys, ttl, tier)
 
     def release(self, lease_id: int) -> bool:
-        """End a lease: a get lease unpins its blocks; a put lease abandons its uncommitted slots.
+        """End a lease: a get lease unpins its blocks; a put lease or a grant abandons its
+        uncommitted slots.
 
         Returns:
             False when the lease is unknown (already released, committed or expired).
@@ -312,6 +313,73 @@ class TieredStore:
             self._scrubber.submit(m for m, good in zip(lease.blocks, ok) if good and m is not None)
         return ok
 
+    async def grant(self, sizes: Sequence[int], *, lease_s: float | None = None, priority: int = 0,
+                    tier: Tier = Tier.HOST) -> Reservation:
+        """Reserve memory slots before their keys are known (a client's pool for later saves: it
+        copies into them at once and names the keys in :meth:`place`, one round trip instead of
+        reserve's two). Makes room exactly as :meth:`reserve`; ``priority`` is the blocks' class.
+
+        Returns:
+            A reservation whose ``status`` is RESERVED per granted slot and FULL from the first
+            size that found no room; ``lease_id`` 0 when none did. Release or expiry frees the
+            slots not placed yet.
+
+        Raises:
+            InvalidRequest, CapacityError: as :meth:`reserve` (sizes, priority, tier, lease length).
+        """
+        cfg = self.config
+        if len(sizes) > cfg.max_batch:
+            raise InvalidRequest(f"{len(sizes)} slots in one grant > max_batch {cfg.max_batch}")
+        ttl = check.check_lease_seconds(cfg, lease_s)
+        check.check_priority(cfg, priority)
+        if tier not in MEMORY_TIERS or (tier is Tier.GPU and self.mover.gpu is None):
+            raise InvalidRequest(f"grant gives host slots, or GPU slots with a GPU tier, not {tier!r}")
+        mover = self.mover
+        check.check_sizes(cfg, sizes, len(sizes), mover.host.can_ever_fit,
+                          mover.gpu.can_ever_fit if tier is Tier.GPU and mover.gpu is not None else None)
+        async with self._mutex:
+            self.reclaim_expired()
+            return await self.parts.writer.grant(list(sizes), ttl, priority, tier)
+
+    async def place(self, lease_id: int, ns_id: bytes, hashes: Sequence[bytes], positions: Sequence[int],
+                    headers: Sequence[bytes], *, checked: bool = False) -> list[PlaceStatus]:
+        """Make blocks the caller wrote into granted slots visible: ``hashes[i]``'s payload is in
+        slot ``positions[i]`` of grant ``lease_id`` (an index into its ``sizes``), its encoded
+        header is ``headers[i]``. Each position is used once: after this call it belongs to the
+        block (or, for a key already stored or being written, it is freed); the grant ends when
+        none is left. ``checked`` as in :meth:`commit`.
+
+        Returns:
+            Per key: PLACED (visible now), EXISTS (already stored or being written: not stored
+            twice) or FAILED (refused by ``verify_on_commit`` or write-through).
+
+        Raises:
+            LeaseError: unknown or expired grant. InvalidKey: malformed keys. InvalidRequest:
+                unequal lengths, a key or position twice, a position out of range or already
+                placed. HeaderError / NamespaceError: as :meth:`commit`. Nothing changes then.
+        """
+        keys = check.check_keys(self.config, ns_id, hashes)
+        check.check_unique(keys)
+        self.reclaim_expired()
+        lease = self._leases.get(lease_id)
+        if lease is None or lease.kind is not LeaseKind.GRANT:
+            raise LeaseError(f"no open grant {lease_id} (expired, used up or released)")
+        if not len(positions) == len(headers) == len(keys):
+            raise InvalidRequest(f"place: {len(keys)} keys, {len(positions)} positions, {len(headers)} headers")
+        metas = check.check_positions(lease.blocks, positions)
+        namespace = self._namespaces.get(ns_id)
+        parsed = [check.check_header(buf, key, meta.size, namespace) for buf, key, meta in zip(headers, keys, metas)]
+        for pos in positions:  # out of the grant before any await: expiry cannot free them now
+            lease.blocks[pos] = None
+        lease.held = [b for b in lease.blocks if b is not None]
+        if not lease.held:
+            self._leases.pop(lease_id)
+        async with self._mutex:
+            done = await self.parts.writer.place(lease_id, metas, keys, headers, parsed, checked=checked)
+        if self._scrubber is not None and not checked:
+            self._scrubber.submit(m for m, d in zip(metas, done) if d is PlaceStatus.PLACED)
+        return done
+
     async def drain_scrub(self) -> None:
         """Wait until every block committed so far has been checked by the scrubber (tests,
         benchmarks); returns at once when ``scrub_commits`` is off."""
@@ -388,7 +456,7 @@ class TieredStore:
         return len(expired)
 
     def _end_lease(self, lease: Lease[BlockMeta]) -> None:
-        if lease.kind is not LeaseKind.PUT:
+        if lease.kind is LeaseKind.GET:
             self.mover.unlease_all(lease.held)
             return
         for meta in lease.held:

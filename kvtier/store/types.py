@@ -11,6 +11,12 @@ BlockKey = NewType("BlockKey", bytes)
 """``ns_id (16 bytes) || chain_hash`` — one block, globally. The same bytes are the RocksDB key."""
 
 
+GRANT_NS = b"kvtier:granted\0\0"
+"""The namespace of granted slots' placeholder keys (``TieredStore.grant``): a granted slot is a
+pending block under ``GRANT_NS || n`` until ``place`` renames it. Refused in callers' keys."""
+assert len(GRANT_NS) == NS_ID_LEN
+
+
 def make_key(ns_id: bytes, chain_hash: bytes) -> BlockKey:
     """Pack a namespace id and a chain hash into one key."""
     return BlockKey(ns_id + chain_hash)

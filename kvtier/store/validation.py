@@ -17,7 +17,7 @@ from kvtier_protocol.namespace import Namespace
 
 from kvtier.store.config import StoreConfig
 from kvtier.store.index import BlockMeta
-from kvtier.store.types import NS_ID_LEN, BlockKey
+from kvtier.store.types import GRANT_NS, NS_ID_LEN, BlockKey
 
 _BYTES = frozenset((bytes,))
 _INTS = frozenset((int,))
@@ -27,11 +27,14 @@ def check_keys(cfg: StoreConfig, ns_id: bytes, hashes: Sequence[bytes]) -> list[
     """Build the keys of a request.
 
     Raises:
-        InvalidKey: ``ns_id`` is not 16 bytes or a hash is not ``cfg.hash_bytes`` bytes.
+        InvalidKey: ``ns_id`` is not 16 bytes (or is :data:`~kvtier.store.types.GRANT_NS`) or a
+            hash is not ``cfg.hash_bytes`` bytes.
         InvalidRequest: more than ``cfg.max_batch`` keys.
     """
     if not isinstance(ns_id, bytes) or len(ns_id) != NS_ID_LEN:
         raise InvalidKey(f"ns_id must be {NS_ID_LEN} bytes, got {ns_id!r:.60}")
+    if ns_id == GRANT_NS:
+        raise InvalidKey("that ns_id is reserved for the daemon's granted slots")
     if len(hashes) > cfg.max_batch:
         raise InvalidRequest(f"{len(hashes)} keys in one call > max_batch {cfg.max_batch}")
     n = cfg.hash_bytes
@@ -115,6 +118,25 @@ def check_commit(blocks: Sequence[BlockMeta | None], headers: Sequence[bytes | N
     return [None if meta is None or buf is None
             else check_header(buf, meta.key, meta.size, get(meta.key[:NS_ID_LEN]))
             for meta, buf in zip(blocks, headers)]
+
+
+def check_positions(granted: Sequence[BlockMeta | None], positions: Sequence[int]) -> list[BlockMeta]:
+    """The granted slots ``positions`` name (indices into a grant, each still unplaced, once).
+
+    Raises:
+        InvalidRequest: a position that is not an int, out of range, already placed, or twice.
+    """
+    if not set(map(type, positions)) <= _INTS:
+        raise InvalidRequest("place: positions are integers")
+    if len(set(positions)) != len(positions):
+        raise InvalidRequest("place: a position appears twice")
+    out: list[BlockMeta] = []
+    for pos in positions:
+        meta = granted[pos] if 0 <= pos < len(granted) else None
+        if meta is None:
+            raise InvalidRequest(f"place: position {pos} is not a granted slot still unplaced")
+        out.append(meta)
+    return out
 
 
 def check_header(buf: bytes, key: BlockKey, size: int, namespace: Namespace | None) -> BlockHeader:

@@ -1,10 +1,12 @@
-"""The put path of the store: reserve host or GPU slots, then commit what the client wrote into them.
+"""The put path of the store: reserve host or GPU slots, then commit what the client wrote into them;
+or grant slots without keys ahead of time, then place the blocks the client wrote into them.
 
 Runs with the store's mutex held; the store validates every argument before calling in.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 
 from kvtier_protocol.header import BlockHeader
@@ -14,9 +16,9 @@ from kvtier.store.index import BlockIndex, BlockMeta
 from kvtier.store.lease import Lease, LeaseKind, LeaseTable
 from kvtier.store.moves import Mover
 from kvtier.store.policy import AdmissionFilter
-from kvtier.store.results import PutStatus, Reservation
+from kvtier.store.results import PlaceStatus, PutStatus, Reservation
 from kvtier.store.stats import EventKind, StoreCounters
-from kvtier.store.types import BlockKey, Slot, Tier
+from kvtier.store.types import GRANT_NS, BlockKey, Slot, Tier
 
 _GPU, _HOST = Tier.GPU, Tier.HOST  # module constants: Enum member access is a slow path in Python 3.11
 _STORED = EventKind.STORED
@@ -34,9 +36,10 @@ class BlockWriter:
         self.admission = admission
         self.counters = counters
         self.now = now
+        self._placeholders = itertools.count(1)
 
     async def reserve(self, keys: list[BlockKey], sizes: list[int], ttl: float, priority: int,
-                      tier: Tier) -> Reservation:
+                      tier: Tier, kind: LeaseKind = LeaseKind.PUT) -> Reservation:
         """Slots of memory tier ``tier`` for the new keys, in order, until one does not fit
         (see ``TieredStore.reserve``)."""
         now = self.now()
@@ -76,8 +79,41 @@ class BlockWriter:
             slots.append(slot)
         if not any(m is not None for m in blocks):
             return Reservation(0, slots, status, tier=tier)
-        lease = self.leases.open(LeaseKind.PUT, keys, blocks, now + ttl)
+        lease = self.leases.open(kind, keys, blocks, now + ttl)
         return Reservation(lease.lease_id, slots, status, lease.expires_at, tier)
+
+    async def grant(self, sizes: list[int], ttl: float, priority: int, tier: Tier) -> Reservation:
+        """Slots of memory tier ``tier`` without keys yet (see ``TieredStore.grant``).
+
+        Each granted slot is a reserved block under a fresh placeholder key ``GRANT_NS || n``:
+        eviction, capacity, expiry, release and the audit then treat it exactly as any
+        reservation, and :meth:`place` only renames it.
+        """
+        width = self.cfg.hash_bytes
+        keys = [BlockKey(GRANT_NS + next(self._placeholders).to_bytes(width, "big")) for _ in sizes]
+        return await self.reserve(keys, sizes, ttl, priority, tier, LeaseKind.GRANT)
+
+    async def place(self, lease_id: int, metas: Sequence[BlockMeta], keys: Sequence[BlockKey],
+                    headers: Sequence[bytes], parsed: Sequence[BlockHeader], *,
+                    checked: bool = False) -> list[PlaceStatus]:
+        """Make the blocks written into granted slots visible (see ``TieredStore.place``):
+        rename each slot's placeholder ``metas[i]`` (already taken out of its grant, so that
+        expiry cannot reclaim it meanwhile) to ``keys[i]`` and commit them as one reservation."""
+        index = self.index
+        blocks: list[BlockMeta | None] = []
+        for meta, key in zip(metas, keys):
+            if index.get(key) is not None:  # stored, or another client is writing it: not twice
+                index.unlease(meta)
+                self.abandon(meta)
+                blocks.append(None)
+            else:
+                index.rename(meta, key, self.admission.recall(key))
+                blocks.append(meta)
+        put = Lease(lease_id, LeaseKind.PUT, list(keys), blocks, self.now(), [b for b in blocks if b is not None])
+        ok = await self.commit(put, headers, [h if b is not None else None for h, b in zip(parsed, blocks)],
+                               checked=checked)
+        return [PlaceStatus.EXISTS if b is None else PlaceStatus.PLACED if good else PlaceStatus.FAILED
+                for b, good in zip(blocks, ok)]
 
     async def commit(self, lease: Lease[BlockMeta], headers: Sequence[bytes | None],
                      parsed: Sequence[BlockHeader | None], *, checked: bool = False) -> list[bool]:

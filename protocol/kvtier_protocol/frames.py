@@ -30,13 +30,14 @@ from kvtier_protocol.frame_codec import (DEFAULT_LIMITS, FLAG_PAYLOAD, FRAME_VER
                                          decode_header, encode_frame, encode_frame_bytes,
                                          parse_preamble, read_frame, write_frame)
 from kvtier_protocol.messages import (OPS, REQUESTS, AcquireRequest, ClearRequest, CommitRequest,
-                                      DeleteRequest, GetRequest, HelloRequest, LookupRequest,
-                                      Message, PingRequest, PutRequest, ReleaseRequest, Request,
-                                      ReserveRequest, StatsRequest, split_records)
+                                      DeleteRequest, GetRequest, GrantRequest, HelloRequest,
+                                      LookupRequest, Message, PingRequest, PlaceRequest, PutRequest,
+                                      ReleaseRequest, Request, ReserveRequest, StatsRequest,
+                                      split_records)
 from kvtier_protocol.responses import (RESPONSES, AcquireResponse, ClearResponse, CommitResponse,
-                                       DeleteResponse, GetResponse, HelloResponse, LookupResponse,
-                                       PingResponse, PutResponse, ReleaseResponse,
-                                       ReserveResponse, Response, StatsResponse)
+                                       DeleteResponse, GetResponse, GrantResponse, HelloResponse,
+                                       LookupResponse, PingResponse, PlaceResponse, PutResponse,
+                                       ReleaseResponse, ReserveResponse, Response, StatsResponse)
 from kvtier_protocol.wire_checks import (DEFAULT_LEASE_MS, EXISTS, MAX_HASH_LEN, MAX_TEXT_LEN,
                                          MIN_HASH_LEN, NS_ID_LEN, PUT_RESULTS, TIER_NAMES,
                                          Segment, SlotRef)
@@ -50,14 +51,14 @@ __all__ = [
     "FRAME_VERSION", "MAGIC", "MAX_HASH_LEN", "MAX_TEXT_LEN", "MIN_HASH_LEN", "NS_ID_LEN", "OPS",
     "PREAMBLE", "PREAMBLE_LEN", "PUT_RESULTS", "REQUESTS", "RESPONSES", "TIER_NAMES",
     "AcquireRequest", "AcquireResponse", "Buffer", "ClearRequest", "ClearResponse",
-    "CommitRequest", "CommitResponse", "DeleteRequest", "DeleteResponse", "Frame",
-    "FrameDecoder", "GetRequest", "GetResponse", "HelloRequest", "HelloResponse", "Limits",
-    "LookupRequest", "LookupResponse", "Message", "Payload", "PingRequest", "PingResponse",
-    "PutRequest", "PutResponse", "ReleaseRequest", "ReleaseResponse", "Request",
-    "ReserveRequest", "ReserveResponse", "Response", "Segment", "SlotRef", "StatsRequest",
-    "StatsResponse", "decode_frame", "decode_header", "encode_frame", "encode_frame_bytes",
-    "encode_message", "error_response", "parse_preamble", "parse_response", "raise_for_error",
-    "read_frame", "split_records", "validate_request", "write_frame",
+    "CommitRequest", "CommitResponse", "DeleteRequest", "DeleteResponse", "Frame", "FrameDecoder",
+    "GetRequest", "GetResponse", "GrantRequest", "GrantResponse", "HelloRequest", "HelloResponse",
+    "Limits", "LookupRequest", "LookupResponse", "Message", "Payload", "PingRequest",
+    "PingResponse", "PlaceRequest", "PlaceResponse", "PutRequest", "PutResponse", "ReleaseRequest",
+    "ReleaseResponse", "Request", "ReserveRequest", "ReserveResponse", "Response", "Segment",
+    "SlotRef", "StatsRequest", "StatsResponse", "decode_frame", "decode_header", "encode_frame",
+    "encode_frame_bytes", "encode_message", "error_response", "parse_preamble", "parse_response",
+    "raise_for_error", "read_frame", "split_records", "validate_request", "write_frame",
 ]
 
 

@@ -325,9 +325,43 @@ class PingRequest(Message):
     id: int
 
 
+@dataclass(frozen=True, slots=True)
+class GrantRequest(Message):
+    """Reserve host slots before their keys are known (put over shared memory in one round trip:
+    the client copies into granted slots at once and names the keys in ``place``)."""
+
+    OP: ClassVar[str] = "grant"
+    id: int
+    sizes: tuple[int, ...]  # payload length of each slot
+    lease_ms: int = DEFAULT_LEASE_MS
+    priority: int = 0  # eviction class of the blocks placed into these slots
+
+
+@dataclass(frozen=True, slots=True)
+class PlaceRequest(Message):
+    """Publish blocks written into granted slots: key ``hashes[i]`` is in slot ``positions[i]``
+    of grant ``lease`` (an index into the grant's ``sizes``)."""
+
+    OP: ClassVar[str] = "place"
+    id: int
+    lease: int
+    ns_id: bytes
+    hashes: tuple[bytes, ...]
+    positions: tuple[int, ...]
+    headers: tuple[bytes | None, ...]  # encoded block header per key (never nil in a place)
+    tokens: tuple[tuple[int, ...] | None, ...] | None = None  # as in commit (SPEC 7.4.1)
+    unit_hashes: tuple[tuple[bytes, ...] | None, ...] | None = None
+
+    def _check(self, limits: Limits) -> None:
+        same_len(self.OP, hashes=self.hashes, positions=self.positions, headers=self.headers)
+        if any(h is None for h in self.headers):
+            raise InvalidRequest("place: every key has a header")
+        check_token_info(self.OP, len(self.headers), self.tokens, self.unit_hashes)
+
+
 Request = (HelloRequest | LookupRequest | ReserveRequest | CommitRequest | AcquireRequest
            | ReleaseRequest | PutRequest | GetRequest | DeleteRequest | ClearRequest
-           | StatsRequest | PingRequest)
+           | StatsRequest | PingRequest | GrantRequest | PlaceRequest)
 REQUESTS: dict[str, type[Message]] = {c.OP: c for c in Request.__args__}  # type: ignore
 OPS = tuple(REQUESTS)
 """Every operation, in SPEC order."""

@@ -175,8 +175,34 @@ class PingResponse(Message):
     id: int
 
 
+@dataclass(frozen=True, slots=True)
+class GrantResponse(Message):
+    """The grant and, per size asked, a slot to write, or nil when there is no room."""
+
+    OP: ClassVar[str] = "grant"
+    IS_RESPONSE: ClassVar[bool] = True
+    id: int
+    lease: int  # 0 when no slot was granted
+    slots: tuple[SlotRef | str | None, ...]  # per size: slot, or nil (no room; every later one too)
+
+    def _check(self, limits: Limits) -> None:
+        if any(s == EXISTS for s in self.slots):
+            raise InvalidRequest("grant: slots are slots or nil")
+
+
+@dataclass(frozen=True, slots=True)
+class PlaceResponse(Message):
+    """Per key: "stored" (visible now), "exists" (already stored: its slot was freed) or "full"
+    (not stored: refused by the daemon's verification or write-through)."""
+
+    OP: ClassVar[str] = "place"
+    IS_RESPONSE: ClassVar[bool] = True
+    id: int
+    results: tuple[str, ...]
+
+
 Response = (HelloResponse | LookupResponse | ReserveResponse | CommitResponse | AcquireResponse
             | ReleaseResponse | PutResponse | GetResponse | DeleteResponse | ClearResponse
-            | StatsResponse | PingResponse)
+            | StatsResponse | PingResponse | GrantResponse | PlaceResponse)
 RESPONSES: dict[str, type[Message]] = {c.OP: c for c in Response.__args__}  # type: ignore
 assert tuple(RESPONSES) == OPS, "every op has a request and a response, in the same order"

@@ -229,6 +229,11 @@ def flags(name: str, value: Any, limits: Limits) -> tuple[bool, ...]:
     return out
 
 
+def positions(name: str, value: Any, limits: Limits) -> tuple[int, ...]:
+    """Indices into a grant's slots (each below ``max_batch``, the most slots one grant has)."""
+    return tuple(uint(name, v, limits, 0, limits.max_batch - 1) for v in array(name, value, limits))
+
+
 CHECKERS: dict[str, Checker] = {
     "version": version, "client": text, "tenant": text, "token": text, "server": text,
     "limits": limits_map, "segments": segments, "fds": unsigned,
@@ -236,6 +241,7 @@ CHECKERS: dict[str, Checker] = {
     "lease": unsigned, "lease_ms": lease_ms, "priority": priority,
     "num_hits": unsigned, "tiers": tiers, "slots": slots, "results": put_results,
     "committed": unsigned, "deleted": unsigned, "stats": stats_map, "verified": flags,
+    "positions": positions,
 }
 """Checker of every header field, by name: a name means the same thing in every message."""
 

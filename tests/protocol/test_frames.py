@@ -73,6 +73,20 @@ def reserve_requests(draw: Any) -> fr.ReserveRequest:
 
 
 @st.composite
+def grant_requests(draw: Any) -> fr.GrantRequest:
+    sizes = tuple(draw(st.lists(rec_lens, max_size=5)))
+    return fr.GrantRequest(draw(ids), sizes, draw(lease_ms), draw(priorities))
+
+
+@st.composite
+def place_requests(draw: Any) -> fr.PlaceRequest:
+    keys = draw(hashes)
+    positions = tuple(draw(st.integers(0, 4095)) for _ in keys)
+    headers = tuple(draw(st.binary(min_size=1, max_size=30)) for _ in keys)
+    return fr.PlaceRequest(draw(ids), draw(u64), draw(ns_ids), keys, positions, headers)
+
+
+@st.composite
 def put_requests(draw: Any) -> fr.PutRequest:
     recs = draw(records)
     keys = tuple(draw(st.binary(min_size=8, max_size=64)) for _ in recs)
@@ -119,6 +133,8 @@ requests = st.one_of(
     st.builds(fr.ClearRequest, ids, ns_ids),
     st.builds(fr.StatsRequest, ids),
     st.builds(fr.PingRequest, ids),
+    grant_requests(),
+    place_requests(),
 )
 
 scalars = st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | texts | st.floats(
@@ -140,6 +156,8 @@ responses = st.one_of(
     st.builds(fr.StatsResponse, ids, st.dictionaries(
         texts, scalars | st.dictionaries(texts, scalars, max_size=3), max_size=5)),
     st.builds(fr.PingResponse, ids),
+    st.builds(fr.GrantResponse, ids, u64, st.lists(slot | st.none(), max_size=5).map(tuple)),
+    st.builds(fr.PlaceResponse, ids, st.lists(st.sampled_from(fr.PUT_RESULTS), max_size=5).map(tuple)),
 )
 
 
@@ -298,6 +316,8 @@ def header_of(message: fr.Message, **changes: Any) -> dict[str, Any]:
 
 LOOKUP = fr.LookupRequest(1, NS, (H[0], H[1]))
 RESERVE = fr.ReserveRequest(2, NS, (H[0], H[1]), (100, 200))
+GRANT = fr.GrantRequest(3, (100, 200))
+PLACE = fr.PlaceRequest(4, 7, NS, (H[0], H[1]), (0, 1), (b"h0", b"h1"))
 
 
 @pytest.mark.parametrize("header, error", [
@@ -322,6 +342,18 @@ RESERVE = fr.ReserveRequest(2, NS, (H[0], H[1]), (100, 200))
     (header_of(fr.HelloRequest(1, 1, "c"), client="x" * 2000), LimitExceeded),
     (header_of(fr.ReleaseRequest(1, 5), lease=-5), InvalidRequest),
     (header_of(fr.CommitRequest(1, 5, (b"h",)), headers=[1]), InvalidRequest),
+    (header_of(GRANT, sizes=[100, 0]), InvalidRequest),
+    (header_of(GRANT, sizes=[(256 << 20) + 1]), LimitExceeded),
+    (header_of(GRANT, sizes=[1] * 4097), LimitExceeded),
+    (header_of(GRANT, sizes=...), InvalidRequest),
+    (header_of(PLACE, positions=[0]), InvalidRequest),
+    (header_of(PLACE, positions=[0, -1]), InvalidRequest),
+    (header_of(PLACE, positions=[0, 4096]), InvalidRequest),
+    (header_of(PLACE, positions=[0, True]), InvalidRequest),
+    (header_of(PLACE, headers=[b"h0", None]), InvalidRequest),
+    (header_of(PLACE, headers=[b"h0"]), InvalidRequest),
+    (header_of(PLACE, lease=...), InvalidRequest),
+    (header_of(PLACE, tokens=[[1, 2]]), InvalidRequest),
 ])
 def test_invalid_requests_are_refused(header: dict[str, Any], error: type) -> None:
     with pytest.raises(error):

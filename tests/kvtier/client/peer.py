@@ -49,6 +49,8 @@ class Peer:
         self.last: dict[str, Any] = {}  # the last valid request of each op
         self.bad_reply: set[str] = set()  # ops answered "ok" without their required keys
         self.report_checked = False  # acquire says every block's payload was checked (as kvtierd's scrubber does)
+        self.grants: dict[int, list[tuple[int, int, int] | None]] = {}  # grant -> slots not placed yet
+        self.speaks_grants = True  # False: answers grant and place as an unknown op (an older daemon)
         self.inflight = self.most_inflight = 0  # requests being answered now / at most so far
         self.writers: set[asyncio.StreamWriter] = set()
         self.loop = asyncio.new_event_loop()
@@ -122,6 +124,7 @@ class Peer:
                 task.cancel()
             for lease in owned:  # like kvtierd: a connection's leases end with it
                 self.leases.pop(lease, None)
+                self.grants.pop(lease, None)
             self.writers.discard(writer)
             writer.transport.abort()
 
@@ -164,7 +167,9 @@ class Peer:
         try:
             req = F.validate_request(frame, limits=self.limits)
             self.last[op] = req
-            if op in ("reserve", "commit", "acquire") and not unix:
+            if op in ("grant", "place") and not self.speaks_grants:
+                raise InvalidRequest(f"unknown op {op!r}")
+            if op in ("reserve", "commit", "acquire", "grant", "place") and not unix:
                 raise InvalidRequest(f"{op} needs shared memory")
             resp: Any = getattr(self, f"_op_{op}")(req)
             if getattr(resp, "lease", 0):
@@ -217,6 +222,37 @@ class Peer:
         self.blocks.update(staged)
         return F.CommitResponse(id=r.id, committed=len(staged))
 
+    def _op_grant(self, r: F.GrantRequest) -> F.GrantResponse:
+        slots: list[tuple[int, int, int] | None] = []
+        for n in r.sizes:
+            slots.append(self._alloc(n) if not slots or slots[-1] is not None else None)
+        lease = next(self.lease_ids) if any(slots) else 0
+        if lease:
+            self.grants[lease] = slots
+        return F.GrantResponse(id=r.id, lease=lease, slots=tuple(slots))
+
+    def _op_place(self, r: F.PlaceRequest) -> F.PlaceResponse:
+        granted = self.grants.get(r.lease)
+        if granted is None:
+            raise LeaseError(f"no grant {r.lease}")
+        staged, results = [], []
+        for h, pos, hdr in zip(r.hashes, r.positions, r.headers):
+            slot = granted[pos] if pos < len(granted) else None
+            if slot is None or hdr is None:
+                raise InvalidRequest(f"position {pos} is not granted")
+            header, _ = decode_header(hdr)
+            if (header.ns_id, header.chain_hash) != (r.ns_id, h) or header.payload_len != slot[2]:
+                raise InvalidRequest("header does not match its key or slot")
+            verify_payload(header, self.payload(slot))
+            results.append("exists" if (r.ns_id, h) in self.blocks else "stored")
+            staged.append(((r.ns_id, h), (hdr, slot)))
+        for pos in r.positions:
+            granted[pos] = None
+        if not any(granted):
+            del self.grants[r.lease]
+        self.blocks.update(kv for kv, res in zip(staged, results) if res == "stored")
+        return F.PlaceResponse(id=r.id, results=tuple(results))
+
     def _op_acquire(self, r: F.AcquireRequest) -> F.AcquireResponse:
         found = [self.blocks.get((r.ns_id, h)) for h in r.hashes]
         lease = next(self.lease_ids) if any(found) else 0
@@ -227,7 +263,7 @@ class Peer:
                                  headers=tuple(f and f[0] for f in found), verified=checked)
 
     def _op_release(self, r: F.ReleaseRequest) -> F.ReleaseResponse:
-        if r.lease and self.leases.pop(r.lease, None) is None:
+        if r.lease and self.leases.pop(r.lease, None) is None and self.grants.pop(r.lease, None) is None:
             raise LeaseError(f"no lease {r.lease}")
         return F.ReleaseResponse(id=r.id)
 

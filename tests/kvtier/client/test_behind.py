@@ -67,7 +67,8 @@ def test_the_client_reads_its_own_writes(kvtier_daemon: KvtierDaemon, driver: st
             assert kv.lookup(NS_ID, _keys(first)).num_hits == 5  # at once: the commit is claimed first
             assert kv.save(NS_ID, second) == ["stored"] * 5
             assert kv.load(NS_ID, _keys(second), degrade=False) == [r for _, r in second]
-            assert kv.save(NS_ID, first) == ["exists"] * 5  # its reserve saw the committed blocks
+            # Into granted slots, its place not waited for: "stored" (they are, since the first save).
+            assert kv.save(NS_ID, first) == ["stored"] * 5
             assert kv.delete(NS_ID, _keys(first)) == 5
             assert kv.lookup(NS_ID, _keys(first)).num_hits == 0
         return
@@ -152,7 +153,7 @@ def test_a_daemon_lost_with_a_commit_unanswered_is_a_late_failure(kvtier_daemon:
 def test_the_next_reserve_travels_ahead_of_the_held_back_commit(peer: Peer, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(behind, "FLUSH_AFTER_S", 30.0)  # held until a request takes it along
     a, b = make_blocks(2, BLOCK, tag=b"order-a"), make_blocks(2, BLOCK, tag=b"order-b")
-    with Client(peer.unix_path, write_behind=True) as kv:
+    with Client(peer.unix_path, write_behind=True, grant_bytes=0) as kv:
         kv.save(NS_ID, a)
         assert peer.arrivals == ["reserve"]  # its commit is held back
         kv.save(NS_ID, b)
@@ -162,10 +163,31 @@ def test_the_next_reserve_travels_ahead_of_the_held_back_commit(peer: Peer, monk
         assert peer.arrivals[3:] == ["commit", "lookup"]
 
 
+def test_granted_saves_send_the_refill_first_and_hold_the_place_back(peer: Peer,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(behind, "FLUSH_AFTER_S", 30.0)  # held until a request takes it along
+    a, b, c = (make_blocks(2, BLOCK, tag=b"granted-" + t) for t in (b"a", b"b", b"c"))
+    with Client(peer.unix_path, write_behind=True) as kv:
+        kv.save(NS_ID, a)  # reserve, with the grant for the next save behind it
+        assert eventually(lambda: peer.arrivals == ["reserve", "grant"])
+        kv.save(NS_ID, b)  # into the granted slots: a's commit and b's refill go out, b's place waits
+        assert eventually(lambda: peer.arrivals == ["reserve", "grant", "commit", "grant"])
+        kv.save(NS_ID, c)
+        assert eventually(lambda: peer.arrivals[4:] == ["place", "grant"])
+        assert kv.lookup(NS_ID, _keys(a + b + c)).num_hits == 6  # a lookup waits for every place first
+        assert peer.arrivals[6:] == ["place", "lookup"]
+    assert not peer.grants  # the pool's last grant ended with the connection
+
+
 def test_without_write_behind_a_save_waits_for_its_commit(peer: Peer) -> None:
-    blocks = make_blocks(2, BLOCK, tag=b"plain")
+    blocks, more = make_blocks(2, BLOCK, tag=b"plain"), make_blocks(2, BLOCK, tag=b"plain-more")
     with Client(peer.unix_path) as kv:
         kv.save(NS_ID, blocks)
-        assert peer.arrivals == ["reserve", "commit"]  # answered before save returned
+        assert peer.arrivals == ["reserve", "grant", "commit"]  # answered before save returned
+        assert kv.save(NS_ID, more + blocks[:1]) == ["stored", "stored", "exists"]
+        assert peer.arrivals[3:] == ["reserve", "grant", "commit"]  # 3 blocks: the pool holds 2
+        assert kv.save(NS_ID, make_blocks(3, BLOCK, tag=b"plain-3")) == ["stored"] * 3
+        # The pool was topped up to 3 (2 + 1 slots of two grants): one place per grant.
+        assert peer.arrivals[6:] == ["grant", "place", "place"]
         kv.flush()  # nothing to wait for
         assert kv.late_failures == 0

@@ -36,7 +36,7 @@ from kvtier.client import ClientOptions, flows, parse_address
 from kvtier.client.records import prepare_records
 from kvtier.client.transport import BlockingConnection
 from tests.kvtier.client.clientkit import NS_ID, make_blocks
-conn = BlockingConnection.open(parse_address(sys.argv[1]), ClientOptions(), time.monotonic() + 10)
+conn = BlockingConnection.open(parse_address(sys.argv[1]), ClientOptions(grant_bytes=0), time.monotonic() + 10)
 records = prepare_records(NS_ID, make_blocks(2, 1 << 20, tag=b"killed"))
 flow = flows.save_flow(conn.session, NS_ID, records, None, None, 0)
 reserve = next(flow)
@@ -45,6 +45,26 @@ claim = flow.send(1)  # the reserve's ticket: the flow claims its answer next
 commit = flow.send(conn.receive(ident, time.monotonic() + 10))  # payloads are in the slots now
 assert commit.op == "commit"
 print("reserved", flush=True)
+time.sleep(60)
+"""
+
+GRANT_THEN_HANG = """
+import sys, time
+from kvtier.client import Client, flows
+from kvtier.client.records import prepare_records
+from tests.kvtier.client.clientkit import NS_ID, make_blocks
+kv = Client(sys.argv[1])
+assert kv.save(NS_ID, make_blocks(2, 1 << 20, tag=b"granted-first")) == ["stored"] * 2  # fills the pool
+conn = kv._conn
+records = prepare_records(NS_ID, make_blocks(2, 1 << 20, tag=b"killed-granted"))
+flow = flows.save_flow(conn.session, NS_ID, records, None, None, 0)
+grant = next(flow)  # the refill for the next save: the pool had these two slots
+assert grant.op == "grant", grant
+ident = conn.send(grant, time.monotonic() + 10)
+claim = flow.send(ident)  # payloads are in the granted slots now; the refill's answer is claimed next
+place = flow.send(conn.receive(ident, time.monotonic() + 10))
+assert place.op == "place", place
+print("copied", flush=True)
 time.sleep(60)
 """
 
@@ -114,6 +134,30 @@ def test_client_killed_between_reserve_and_commit(daemon: Daemon) -> None:
             while kv.stats()["leases"] and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert kv.stats()["leases"] == 0, "the dead client's reservation was reclaimed"
+            assert kv.lookup(NS_ID, keys) is NO_HITS and kv.load(NS_ID, keys) == []
+            assert kv.save(NS_ID, blocks) == ["stored", "stored"]
+            assert kv.load(NS_ID, keys) == [r for _, r in blocks]
+    finally:
+        writer.kill()
+        writer.communicate()
+
+
+def test_client_killed_between_copying_into_granted_slots_and_placing(daemon: Daemon) -> None:
+    blocks = make_blocks(2, MiB, tag=b"killed-granted")
+    keys = [k for k, _ in blocks]
+    writer = run_python(GRANT_THEN_HANG, daemon.socket)
+    try:
+        assert writer.stdout.readline().strip() == "copied", writer.stderr.read()
+        with Client(daemon.socket) as kv:
+            assert kv.lookup(NS_ID, keys) is NO_HITS  # written into granted slots, never placed
+            assert kv.stats()["leases"] >= 1
+            writer.send_signal(signal.SIGKILL)
+            writer.wait(10)
+            deadline = time.monotonic() + 10
+            while kv.stats()["leases"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert kv.stats()["leases"] == 0, "the dead client's grants were reclaimed"
+            assert kv.stats()["pending"] == 0
             assert kv.lookup(NS_ID, keys) is NO_HITS and kv.load(NS_ID, keys) == []
             assert kv.save(NS_ID, blocks) == ["stored", "stored"]
             assert kv.load(NS_ID, keys) == [r for _, r in blocks]

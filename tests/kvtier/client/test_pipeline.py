@@ -28,14 +28,15 @@ PIPE = 1 * MiB  # sub-batches of four 256 KiB blocks
 
 
 def _save_load(address: str, blocks: list[tuple[bytes, bytes]], driver: str,
-               pipeline_bytes: int = PIPE) -> tuple[list[str], list[bytes]]:
+               pipeline_bytes: int = PIPE, grant_bytes: int = 0) -> tuple[list[str], list[bytes]]:
+    """One save (reserve/commit: no granted slots unless ``grant_bytes``), then one load."""
     keys = [k for k, _ in blocks]
     if driver == "sync":
-        with Client(address, pipeline_bytes=pipeline_bytes) as kv:
+        with Client(address, pipeline_bytes=pipeline_bytes, grant_bytes=grant_bytes) as kv:
             return kv.save(NS_ID, blocks), kv.load(NS_ID, keys, degrade=False)
 
     async def run() -> tuple[list[str], list[bytes]]:
-        async with AsyncClient(address, pipeline_bytes=pipeline_bytes) as kv:
+        async with AsyncClient(address, pipeline_bytes=pipeline_bytes, grant_bytes=grant_bytes) as kv:
             return await kv.save(NS_ID, blocks), await kv.load(NS_ID, keys, degrade=False)
     return asyncio.run(run())
 

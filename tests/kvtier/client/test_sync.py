@@ -182,7 +182,7 @@ def test_reconnects_and_retries_after_a_lost_connection(peer: Peer) -> None:
 
 def test_save_retries_only_before_commit(peer: Peer) -> None:
     a, b = make_blocks(1, 4096), make_blocks(1, 4096, tag=b"b")
-    with Client(peer.unix_path) as kv:
+    with Client(peer.unix_path, grant_bytes=0) as kv:
         peer.drop_on.add("reserve")
         assert kv.save(NS_ID, a) == ["stored"]  # lost before commit: retried from reserve
         assert peer.ops["reserve"] == 2
@@ -191,6 +191,21 @@ def test_save_retries_only_before_commit(peer: Peer) -> None:
             kv.save(NS_ID, b)  # lost during commit: not retried
         assert peer.ops["commit"] == 2 and peer.ops["reserve"] == 3
         assert kv.lookup(NS_ID, [b[0][0]]) is NO_HITS
+
+
+def test_granted_save_retries_only_before_its_place(peer: Peer) -> None:
+    a, b, c = (make_blocks(1, 4096, tag=t) for t in (b"ga", b"gb", b"gc"))
+    with Client(peer.unix_path) as kv:
+        assert kv.save(NS_ID, a) == ["stored"]  # reserve/commit; the grant fills the pool
+        peer.drop_on.add("grant")
+        assert kv.save(NS_ID, b) == ["stored"]  # refill lost before the place: retried (reserve)
+        assert peer.ops["grant"] == 3 and peer.ops["reserve"] == 2 and peer.ops["place"] == 0
+        peer.drop_on.add("place")
+        with pytest.raises(ConnectionLost):
+            kv.save(NS_ID, c)  # lost during the place: not retried
+        assert peer.ops["place"] == 1 and peer.ops["reserve"] == 2
+        assert kv.lookup(NS_ID, [c[0][0]]) is NO_HITS
+        assert kv.load(NS_ID, [a[0][0], b[0][0]]) == [a[0][1], b[0][1]]
 
 
 def test_token_required(make_peer: Callable[..., Peer]) -> None:

@@ -205,21 +205,22 @@ class Plane:
 
 @asynccontextmanager
 async def open_plane(tmp_path: Path, *, token: str | None = TOKEN, host_bytes: int = 64 * BLOCK,
-                     **dataplane: Any) -> AsyncIterator[Plane]:
-    """A real store (host + disk) on ``tmp_path`` served by a DataPlane on a unix socket and TCP."""
+                     store: dict[str, Any] | None = None, **dataplane: Any) -> AsyncIterator[Plane]:
+    """A real store (host + disk) on ``tmp_path`` served by a DataPlane on a unix socket and TCP;
+    ``store``: StoreConfig settings over the defaults."""
     sockdir = tempfile.mkdtemp(prefix="kvt-")  # short: unix socket paths are limited to 107 bytes
     store_cfg = StoreConfig(host_bytes=host_bytes, host_name_prefix=f"kvtier-dp-{os.getpid()}",
                             host_prefault=False, host_pin=False, disk_path=str(tmp_path / "disk"),
-                            disk_bytes=1 << 26)
+                            disk_bytes=1 << 26, **(store or {}))
     settings: dict[str, Any] = {"socket": os.path.join(sockdir, "run", "kvtier.sock"), "listen": "127.0.0.1:0"}
     settings.update(dataplane)
     cfg = DaemonConfig(store=store_cfg, dataplane=DataPlaneConfig(**settings), rest=RestConfig(),
                        events=EventsConfig(), auth=AuthConfig(token=token), data_dir=str(tmp_path))
-    store = TieredStore(store_cfg)
-    await store.start()
+    tiered = TieredStore(store_cfg)
+    await tiered.start()
     metrics = Metrics()
     auth = Auth.from_config(cfg.auth, str(tmp_path)) if token is not None else Auth(None)
-    ctx = DaemonContext(cfg, store, auth, metrics, EventHub(cfg.events, metrics), time.time())
+    ctx = DaemonContext(cfg, tiered, auth, metrics, EventHub(cfg.events, metrics), time.time())
     metrics.bind(ctx)
     plane = DataPlane(ctx)
     p: Plane | None = None
@@ -233,7 +234,7 @@ async def open_plane(tmp_path: Path, *, token: str | None = TOKEN, host_bytes: i
         for raw in p.peers if p is not None else ():
             raw.close()
         await plane.stop(2.0)
-        await store.close()
+        await tiered.close()
         shutil.rmtree(sockdir, ignore_errors=True)
 
 

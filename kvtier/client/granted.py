@@ -81,6 +81,8 @@ def _place_flow(s: Session, ns_id: bytes, records: list[Record], extras: dict[st
     per grant a batch spans. Returns each place's ticket and the records it names,
     ``records[start:end]`` (write-behind: none, the connection keeps them)."""
     behind = s.write_behind
+    # Write-behind: sent at once, so the daemon places while the caller prepares its next save
+    # (held back, it would wait for that save's grant); else written as the save awaits it.
     out: list[tuple[Ticket, int, int]] = []
     for lo, hi in save_batches(s, records):
         start = lo
@@ -95,7 +97,7 @@ def _place_flow(s: Session, ns_id: bytes, records: list[Record], extras: dict[st
             for name, values in extras.items():
                 if values is not None:
                     keys[name] = values[start:end]
-            ticket = yield Call("place", keys, commits=True, wait=False, defer=True, behind=behind)
+            ticket = yield Call("place", keys, commits=True, wait=False, defer=not behind, behind=behind)
             if not behind:
                 out.append((ticket, start, end))
             start = end

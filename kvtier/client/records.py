@@ -9,9 +9,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
-from kvtier_protocol.errors import InvalidKey, InvalidRequest, KVTierError
+from kvtier_protocol.errors import HeaderError, InvalidKey, InvalidRequest, KVTierError, Truncated
 from kvtier_protocol.frames import MAX_HASH_LEN, MIN_HASH_LEN, NS_ID_LEN
-from kvtier_protocol.header import split_record, verify_payload
+from kvtier_protocol.header import PREAMBLE_LEN, decode_header, parse_preamble, split_record, verify_payload
 
 log = logging.getLogger("kvtier.client")
 
@@ -21,9 +21,10 @@ Block: TypeAlias = tuple[bytes, Buffer]
 """``(chain_hash, record)``: a block to save; ``record`` is a whole block record (header + payload)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: built per block of every save, and a frozen init costs ~4x
 class Record:
-    """A block record to save, split once: its key, its encoded header and its payload."""
+    """A block record to save, split once: its key, its encoded header and its payload.
+    Read-only by convention."""
 
     key: bytes
     record: memoryview
@@ -77,11 +78,18 @@ def prepare_records(ns_id: bytes, blocks: Sequence[Block]) -> list[Record]:
         view = memoryview(record)
         if view.format != "B" or view.ndim != 1:
             view = view.cast("B")
-        h, payload = split_record(view)
+        # The header bytes are needed anyway (they travel in commit/place); decoding them as
+        # bytes finds the header the caller just encoded in the decode memo, one dict lookup.
+        end = PREAMBLE_LEN + parse_preamble(view)
+        header = bytes(view[:end])
+        h, _ = decode_header(header)
+        if view.nbytes != end + h.payload_len:
+            raise (Truncated if view.nbytes < end + h.payload_len else HeaderError)(
+                f"record of {view.nbytes} bytes; its header declares {end + h.payload_len}")
         if h.ns_id != ns_id or h.chain_hash != key:
             raise InvalidRequest(f"record for key {key.hex()} carries key "
                                  f"{h.ns_id.hex()}/{h.chain_hash.hex()}")
-        out.append(Record(key, view, bytes(view[:view.nbytes - payload.nbytes]), payload))
+        out.append(Record(key, view, header, view[end:]))
     return out
 
 

@@ -163,19 +163,20 @@ def test_the_next_reserve_travels_ahead_of_the_held_back_commit(peer: Peer, monk
         assert peer.arrivals[3:] == ["commit", "lookup"]
 
 
-def test_granted_saves_send_the_refill_first_and_hold_the_place_back(peer: Peer,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(behind, "FLUSH_AFTER_S", 30.0)  # held until a request takes it along
+def test_granted_saves_send_their_place_at_once(peer: Peer, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(behind, "FLUSH_AFTER_S", 30.0)  # a held-back commit waits for a request
     a, b, c = (make_blocks(2, BLOCK, tag=b"granted-" + t) for t in (b"a", b"b", b"c"))
     with Client(peer.unix_path, write_behind=True) as kv:
-        kv.save(NS_ID, a)  # reserve, with the grant for the next save behind it
+        kv.save(NS_ID, a)  # reserve, the grant for the next save behind it; the commit held back
         assert eventually(lambda: peer.arrivals == ["reserve", "grant"])
-        kv.save(NS_ID, b)  # into the granted slots: a's commit and b's refill go out, b's place waits
-        assert eventually(lambda: peer.arrivals == ["reserve", "grant", "commit", "grant"])
+        # Into the granted slots: a's commit leaves with b's refill, and b's place right after its
+        # copy (not held back: the daemon places while the caller prepares its next save).
+        kv.save(NS_ID, b)
+        assert eventually(lambda: peer.arrivals == ["reserve", "grant", "commit", "grant", "place"])
         kv.save(NS_ID, c)
-        assert eventually(lambda: peer.arrivals[4:] == ["place", "grant"])
-        assert kv.lookup(NS_ID, _keys(a + b + c)).num_hits == 6  # a lookup waits for every place first
-        assert peer.arrivals[6:] == ["place", "lookup"]
+        assert eventually(lambda: peer.arrivals[5:] == ["grant", "place"])
+        assert kv.lookup(NS_ID, _keys(a + b + c)).num_hits == 6  # after every place's answer
+        assert peer.arrivals[7:] == ["lookup"]
     assert not peer.grants  # the pool's last grant ended with the connection
 
 

@@ -103,7 +103,7 @@ TIER_GAUGES: tuple[Exported, ...] = (
 
 STORE_GAUGES: tuple[Exported, ...] = (
     Exported("blocks", "kvtier_blocks", "Distinct visible blocks."),
-    Exported("pending", "kvtier_pending_blocks", "Blocks reserved and not yet committed."),
+    Exported("pending", "kvtier_pending_blocks", "Blocks reserved, or slots granted, and not yet committed."),
     Exported("leases", "kvtier_leases", "Open leases."),
     Exported("fragmentation", "kvtier_host_fragmentation_ratio",
              "Host allocator internal fragmentation: 1 - requested / allocated bytes."),

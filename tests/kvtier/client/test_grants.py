@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
-from kvtier.client import Client
+from kvtier.client import AsyncClient, Client
 from kvtier.client.grants import HOST_FRACTION, LEASE_MARGIN, GrantPool, pool_limit
 from tests.kvtier.client.clientkit import NS_ID, make_blocks
 from tests.kvtier.client.peer import Peer
@@ -81,16 +83,24 @@ def test_pool_limit_is_a_share_of_the_host_segments() -> None:
     assert pool_limit(0, 1 << 30) == 0
 
 
+@pytest.mark.parametrize("driver", ["sync", "aio"])
 @pytest.mark.parametrize("speaks", [True, False])
-def test_saves_through_granted_slots_and_without_them(make_peer, speaks: bool) -> None:
+def test_saves_through_granted_slots_and_without_them(make_peer, speaks: bool, driver: str) -> None:
     peer: Peer = make_peer()
     peer.speaks_grants = speaks  # False: an older daemon, which refuses grant as an unknown op
     chains = [make_blocks(4, 4 * KIB, tag=b"pool-%d" % i) for i in range(4)]
-    with Client(peer.unix_path) as kv:
-        for blocks in chains:
-            assert kv.save(NS_ID, blocks) == ["stored"] * 4
-        for blocks in chains:
-            assert kv.load(NS_ID, [k for k, _ in blocks]) == [r for _, r in blocks]
+    if driver == "sync":
+        with Client(peer.unix_path) as kv:
+            saved = [kv.save(NS_ID, blocks) for blocks in chains]
+            loaded = [kv.load(NS_ID, [k for k, _ in blocks]) for blocks in chains]
+    else:
+        async def run() -> tuple[list, list]:
+            async with AsyncClient(peer.unix_path) as akv:
+                return ([await akv.save(NS_ID, blocks) for blocks in chains],
+                        [await akv.load(NS_ID, [k for k, _ in blocks]) for blocks in chains])
+        saved, loaded = asyncio.run(run())
+    assert saved == [["stored"] * 4] * 4
+    assert loaded == [[r for _, r in blocks] for blocks in chains]
     if speaks:  # the first save reserves, the others copy into the slots the one before got
         assert peer.ops["reserve"] == 1 and peer.ops["place"] == 3 and peer.ops["grant"] == 4
     else:  # the first refusal turns the pool off: every save reserves, one grant was tried

@@ -97,6 +97,13 @@ FRAME_MESSAGES: list[tuple[str, str, fr.Message]] = [
     ("get_response", "TCP get of three keys, the second missing. " + OPAQUE, fr.GetResponse(
         id=8, lens=(40, None, 24), payload=record(6, 40) + record(7, 24))),
     ("ping_request", "ping", fr.PingRequest(id=9)),
+    ("grant_request", "grant two slots of 4096 bytes ahead of their keys", fr.GrantRequest(
+        id=10, sizes=(4096, 4096), lease_ms=30_000, priority=0)),
+    ("grant_response", "one slot granted, no room for the second", fr.GrantResponse(
+        id=10, lease=9, slots=((0, 12288, 4096), None))),
+    ("place_request", "the block of key 8 was written into slot 0 of grant 9. " + OPAQUE, fr.PlaceRequest(
+        id=11, lease=9, ns_id=NS_ID, hashes=(chain_hash(8),), positions=(0,), headers=(record(8, 48),))),
+    ("place_response", "the block is visible", fr.PlaceResponse(id=11, results=("stored",))),
 ]
 
 

@@ -612,7 +612,8 @@ FRAME_VECTORS = sorted(p.stem for p in (VECTORS / "frames").glob("*.bin"))
 
 def test_vectors_exist_for_every_named_case() -> None:
     assert {"hello_request", "lookup_request", "reserve_request", "commit_request",
-            "acquire_request", "put_request", "error_response"} <= set(FRAME_VECTORS)
+            "acquire_request", "put_request", "error_response", "grant_request", "grant_response",
+            "place_request", "place_response"} <= set(FRAME_VECTORS)
 
 
 @pytest.mark.parametrize("name", FRAME_VECTORS)

@@ -130,7 +130,7 @@ class CrashRun:
                  f"{len(self.acked)} blocks acknowledged durable so far")
 
     def aim_with_writer(self, phase: str) -> None:
-        """reserve, copy, commit, demotion: the writer kills the daemon itself."""
+        """reserve, copy, commit, place, demotion: the writer kills the daemon itself."""
         mode = "back" if phase == "demotion" else "through"
         warmup = 16 // self.args.batch + 2 if phase == "demotion" else self.rng.randint(1, 4)
         writer = self.begin(phase, mode, target=phase, warmup=warmup)

@@ -117,6 +117,14 @@ class Link:
     def commit(self, lease: int, headers: Sequence[bytes | None], between: Callable[[], None]) -> int:
         return self.call_between("commit", between, lease=lease, headers=list(headers)).committed
 
+    def grant(self, sizes: Sequence[int]) -> Any:
+        return self.call("grant", sizes=list(sizes), lease_ms=self.lease_ms, priority=0)
+
+    def place(self, lease: int, keys: Sequence[bytes], positions: Sequence[int], headers: Sequence[bytes],
+              between: Callable[[], None]) -> list[str]:
+        return self.call_between("place", between, lease=lease, ns_id=NS_ID, hashes=list(keys),
+                                 positions=list(positions), headers=list(headers)).results
+
     def lookup_tiers(self, keys: Sequence[bytes]) -> list[str]:
         """The tier of each key of the stored prefix of ``keys``."""
         tiers: list[str] = []

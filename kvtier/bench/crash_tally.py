@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from kvtier.bench.report import Row
 
-PHASES = ("reserve", "copy", "commit", "demotion", "flush", "compaction")
+PHASES = ("reserve", "copy", "commit", "place", "demotion", "flush", "compaction")
 
 
 @dataclass(slots=True)

@@ -3,7 +3,7 @@
 Run by the bench as ``python -m kvtier.bench.crash_writer ...`` (one process per daemon life),
 started while the daemon starts; it begins when it reads ``go <daemon pid>`` on stdin. It
 saves batches of blocks step by step over the unix socket (reserve, copy into shared memory,
-commit), and prints one JSON object per line (its stdout is a file the bench reads afterwards)::
+commit; or grant, copy, place), and prints one JSON object per line (its stdout is a file the bench reads afterwards)::
 
     {"try": [lo, hi]}        blocks lo..hi-1 are about to be reserved
     {"ack": [i, ...]}        blocks acknowledged as durable: a write-through commit returned, or
@@ -26,8 +26,11 @@ writer kills from its own thread, so the step it reports is exact:
   before the commit is sent.
 * ``commit``: once the commit is sent, spin for a random fraction of the median commit round trip,
   then SIGKILL (write-through: inside the RocksDB write, or just before or after it).
+* ``place``: the writer saves into granted slots instead (grant, copy, place: the client's usual
+  path, SPEC §7.4); once the place is sent, spin for a random fraction of the median place round
+  trip, then SIGKILL.
 
-A reserve or commit whose answer was already waiting in the socket at the kill is reported as
+A reserve, commit or place whose answer was already waiting in the socket at the kill is reported as
 ``"<step> (answered)"``: the daemon died just after that step, not inside it.
 """
 
@@ -48,8 +51,8 @@ from kvtier.client.errors import ConnectionLost
 from kvtier_protocol.errors import KVTierError, Unavailable
 from kvtier_protocol.frames import EXISTS
 
-KILL_TARGETS = ("reserve", "copy", "commit", "demotion")
-_AIMED = {"reserve": ("reserve", "demotion"), "commit": ("commit",)}  # targets that kill inside each call
+KILL_TARGETS = ("reserve", "copy", "commit", "place", "demotion")
+_AIMED = {"reserve": ("reserve", "demotion"), "commit": ("commit",), "place": ("place",)}  # kills inside each call
 
 
 def emit(**item: object) -> None:
@@ -76,7 +79,7 @@ class Killer:
         if self.fired:
             return
         self.fired = True
-        if step in ("reserve", "commit") and self.link.conn.answered():
+        if step in ("reserve", "commit", "place") and self.link.conn.answered():
             step += " (answered)"  # the daemon had replied already: it died after the step
         try:
             os.kill(self.pid, signal.SIGKILL)
@@ -94,7 +97,7 @@ class Writer:
         self.link = Link(args.address)
         self.killer = Killer(daemon_pid, self.link)
         self.rng = random.Random(args.seed)
-        self.times: dict[str, list[float]] = {"reserve": [], "copy": [], "commit": []}
+        self.times: dict[str, list[float]] = {"reserve": [], "copy": [], "commit": [], "place": []}
         self.stored: list[int] = []  # committed (acked or held) and not deleted, in order
         self.acked: set[int] = set()
         self.next_index = 0
@@ -128,7 +131,8 @@ class Writer:
         return "time"
 
     def save(self, target: str | None) -> list[int]:
-        """One batch: reserve, copy, commit; returns the indices the commit made visible."""
+        """One batch: reserve, copy, commit (or, for a writer aimed at place, grant, copy,
+        place); returns the indices the commit or place made visible."""
         a, killer, rng = self.args, self.killer, self.rng
         lo = self.next_index
         self.next_index += a.batch
@@ -141,6 +145,9 @@ class Writer:
             # Reserve answers in well under a millisecond: aim at the first half of its round trip.
             share = 0.5 if name == "reserve" else 1.0
             return lambda: killer.after(name, rng.random() * share * _median(self.times[name]))
+
+        if a.target == "place":
+            return self._save_granted(lo, parts, step("place"))
 
         t0 = time.perf_counter()
         r = self.link.reserve([k for k, _, _ in parts], [len(p) for _, _, p in parts], step("reserve"))
@@ -166,6 +173,23 @@ class Writer:
             self.link.call("release", lease=r.lease)
         for name, dt in (("reserve", t1 - t0), ("copy", t2 - t1), ("commit", time.perf_counter() - t2)):
             self.times[name].append(dt)
+        return done
+
+    def _save_granted(self, lo: int, parts: list[tuple[bytes, bytes, bytes]], between: Callable[[], None]) -> list[int]:
+        """grant (not aimed at: a daemon killed there only loses slots) → copy → place."""
+        g = self.link.grant([len(p) for _, _, p in parts])
+        given = [n for n, slot in enumerate(g.slots) if slot is not None]  # a prefix: the rest got no room
+        for n in given:
+            self.link.shm.write(g.slots[n], parts[n][2])
+        t0 = time.perf_counter()
+        done: list[int] = []
+        if given:
+            results = self.link.place(g.lease, [parts[n][0] for n in given], given,
+                                      [parts[n][1] for n in given], between)
+            done = [lo + n for n, r in zip(given, results) if r == "stored"]
+            if len(done) != len(given):
+                emit(anomaly=f"place stored {len(done)} of {len(given)} new blocks")
+        self.times["place"].append(time.perf_counter() - t0)
         return done
 
     def ack_on_disk(self) -> None:

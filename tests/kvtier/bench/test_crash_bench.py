@@ -3,8 +3,8 @@
 The invariants, not the speed: every kill survived (the daemon starts, `check` is consistent), every
 block acknowledged as durable is served intact at the end, no served block differs from what was
 written, and the writer met no anomaly. Compaction is left to the full run (catching RocksDB's
-compaction thread can take several lives); the kills here aim at reserve, copy, commit, a
-write-back demotion and the flush of a SIGTERM'd close.
+compaction thread can take several lives); the kills here aim at reserve, copy, commit, the place
+of a save into granted slots, a write-back demotion and the flush of a SIGTERM'd close.
 """
 
 from __future__ import annotations
@@ -27,21 +27,21 @@ def _args(tmp_path, **over: object) -> argparse.Namespace:
     return args
 
 
-def test_five_kills_lose_no_acknowledged_block_and_serve_no_bad_one(tmp_path, capsys):
-    args = _args(tmp_path, kills=5, phases="reserve,copy,commit,demotion,flush", seed=7)
+def test_six_kills_lose_no_acknowledged_block_and_serve_no_bad_one(tmp_path, capsys):
+    args = _args(tmp_path, kills=6, phases="reserve,copy,commit,place,demotion,flush", seed=7)
     result = crash.run(args)
     rows = {r.case: r for r in result.rows}
 
-    assert rows["kills survived"].baseline == 5 and rows["kills survived"].kvtier == 5
+    assert rows["kills survived"].baseline == 6 and rows["kills survived"].kvtier == 6
     acked = rows["blocks recovered at the end"].baseline
     assert acked > 0 and rows["blocks recovered at the end"].kvtier == acked
     assert rows["acknowledged blocks never lost"].kvtier == acked
     checks = rows["restarts consistent (check)"]
-    assert checks.baseline >= 6 and checks.kvtier == checks.baseline  # after each kill and at the end
+    assert checks.baseline >= 7 and checks.kvtier == checks.baseline  # after each kill and at the end
     served = rows["served blocks intact"]
     assert served.baseline > 0 and served.kvtier == served.baseline
     assert rows["runs without anomaly"].kvtier == 1, capsys.readouterr().err[-3000:]
-    assert {f"kills landed in {p}" for p in ("reserve", "copy", "commit", "demotion", "flush")} <= set(rows)
+    assert {f"kills landed in {p}" for p in ("reserve", "copy", "commit", "place", "demotion", "flush")} <= set(rows)
 
     out = tmp_path / "crash.json"
     emit([result], json_path=str(out))

@@ -46,9 +46,14 @@ def parse_preamble(buf: bytes | bytearray | memoryview, *,
     Raises:
         Truncated, BadMagic, UnsupportedVersion (version != 1 or flags != 0), LimitExceeded.
     """
+    return _preamble(buf, max_header_len)[0]
+
+
+def _preamble(buf: bytes | bytearray | memoryview, max_header_len: int) -> tuple[int, int]:
+    """:func:`parse_preamble`, also returning the preamble's xxh3 of the header map."""
     if len(buf) < PREAMBLE_LEN:
         raise Truncated(f"record needs a {PREAMBLE_LEN}-byte preamble, got {len(buf)} bytes")
-    magic, version, flags, header_len, _ = PREAMBLE.unpack_from(buf)
+    magic, version, flags, header_len, map_xxh3 = PREAMBLE.unpack_from(buf)
     if magic != MAGIC:
         raise BadMagic(f"expected magic {MAGIC!r}, got {bytes(magic)!r}")
     if version != VERSION:
@@ -58,7 +63,7 @@ def parse_preamble(buf: bytes | bytearray | memoryview, *,
         raise UnsupportedVersion(f"block record flags 0x{flags:04x}; this reader knows none")
     if header_len > max_header_len:
         raise LimitExceeded(f"header_len {header_len} > limit {max_header_len}")
-    return header_len
+    return header_len, map_xxh3
 
 
 def _no_duplicates(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
@@ -162,25 +167,26 @@ def decode_header(buf: bytes | bytearray | memoryview, *,
         if known is not None:
             return known, len(buf)
     view = _byte_view(buf)
-    header_len = parse_preamble(view, max_header_len=max_header_len)
+    header_len, expected = _preamble(view, max_header_len)
     end = PREAMBLE_LEN + header_len
     if len(view) < end:
         raise Truncated(f"header needs {end} bytes, got {len(view)}")
-    key = (bytes(view[:end]), max_payload_len)
-    known = _DECODED.get(key)
-    if known is not None:
-        return known, end
-    body = view[PREAMBLE_LEN:end]
-    expected = PREAMBLE.unpack_from(view)[4]
-    if xxhash.xxh3_64_intdigest(body) != expected:
-        raise ChecksumMismatch("header map bytes do not match the preamble's xxh3-64")
+    if type(buf) is bytes and len(buf) == end:
+        key = (buf, max_payload_len)  # exactly a header, looked up above: no copy, no second lookup
+    else:
+        key = (bytes(view[:end]), max_payload_len)
+        known = _DECODED.get(key)
+        if known is not None:
+            return known, end
     raw = key[0][PREAMBLE_LEN:]
+    if xxhash.xxh3_64_intdigest(raw) != expected:
+        raise ChecksumMismatch("header map bytes do not match the preamble's xxh3-64")
     hit = _TEMPLATES.match(raw, max_payload_len)
     if hit is not None:
         h = _specialize(*hit)
         memoisable = True  # templates are learnt from memoisable headers only, and h shares their values
     else:
-        h = _from_map(_unpack(body), max_payload_len)
+        h = _from_map(_unpack(raw), max_payload_len)
         if h.decoded_len > max_payload_len:
             raise LimitExceeded(f"decoded tensor of {h.decoded_len} bytes > limit {max_payload_len}")
         memoisable = _memoisable(h)

@@ -36,6 +36,19 @@ async def test_placed_blocks_read_back_byte_identical_and_the_grant_ends_when_us
     assert store.counters.checksum_failures == 0
 
 
+async def test_open_grants_keep_the_store_consistent_and_out_of_every_listing(open_store):
+    store = await open_store()
+    a = make_rec(0)
+    await put(store, [a])
+    grant = await store.grant([BLOCK] * 2)
+    assert (await store.check()).ok  # the audit counts granted slots as reservations
+    assert [ns.ns_id for ns in store.namespaces()] == []  # a put registers no namespace here
+    assert [b.chain_hash for b in store.iter_blocks()] == [a.chain_hash]
+    assert list(store.iter_blocks(GRANT_NS)) == [] and store.lookup(NS, [a.chain_hash]).num_hits == 1
+    assert store.gauges().pending == 2
+    assert store.release(grant.lease_id) and (await store.check()).ok
+
+
 async def test_a_key_already_stored_frees_its_granted_slot(open_store):
     store = await open_store(host_bytes=4 * BLOCK, host_segment_bytes=4 * BLOCK)
     a, b = make_rec(0), make_rec(1)

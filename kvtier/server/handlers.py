@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvtier_protocol import frames as fr
 from kvtier_protocol.errors import (ChecksumMismatch, InvalidRequest, KVTierError, LeaseError,
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from kvtier.store.store import TieredStore
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 
@@ -129,14 +130,11 @@ class RequestHandler:
         return fr.ReserveResponse(req.id, res.lease_id, slots)
 
     async def _commit(self, req: fr.CommitRequest, session: Session) -> fr.Message:
-        info = session.leases.get(req.lease)
-        if not isinstance(info, PutLease):
-            raise LeaseError(f"no reservation {req.lease} on this connection")
+        info = _held(session, req.lease, PutLease, "reservation")
         scope = self.scope(session)
         try:
             self._check_commit(req, info)
-            tokens = self._token_info(info.hashes, req.headers, req.tokens, req.unit_hashes)
-            _maybe_register(scope.store, info.ns_id, req.headers)
+            tokens = self._publishing(scope, info.ns_id, info.hashes, req.headers, req.tokens, req.unit_hashes)
             ok = await _commit_all(scope.store, req.lease, req.headers, info.ns_id, info.hashes)
         except BaseException:
             scope.store.release(req.lease)  # SPEC §7.4: a failed commit ends the lease
@@ -156,13 +154,10 @@ class RequestHandler:
         return fr.GrantResponse(req.id, res.lease_id, slots)
 
     async def _place(self, req: fr.PlaceRequest, session: Session) -> fr.Message:
-        info = session.leases.get(req.lease)
-        if not isinstance(info, GrantLease):
-            raise LeaseError(f"no grant {req.lease} on this connection")
+        info = _held(session, req.lease, GrantLease, "grant")
         scope = self.scope(session)
         headers: Sequence[bytes] = req.headers  # type: ignore[assignment]  # PlaceRequest: never nil
-        tokens = self._token_info(req.hashes, headers, req.tokens, req.unit_hashes)
-        _maybe_register(scope.store, req.ns_id, headers)
+        tokens = self._publishing(scope, req.ns_id, req.hashes, headers, req.tokens, req.unit_hashes)
         store = scope.store
         verified = store.config.verify_on_commit or store.config.write_through  # else no key fails
         before = store.counters.checksum_failures if verified else 0
@@ -283,6 +278,15 @@ class RequestHandler:
             if buf is not None and not reserved:
                 raise InvalidRequest(f"commit: headers[{i}] names a key the reservation gave no slot")
 
+    def _publishing(self, scope: Scope, ns_id: bytes, hashes: Sequence[bytes], headers: Sequence[bytes | None],
+                    tokens: Sequence[tuple[int, ...] | None] | None,
+                    unit_hashes: Sequence[tuple[bytes, ...] | None] | None) -> list[BlockTokens | None]:
+        """Before blocks are made visible: their token info for the events (checked: raises
+        InvalidRequest), and their namespace registered from the headers if it is new."""
+        info = self._token_info(hashes, headers, tokens, unit_hashes)
+        _maybe_register(scope.store, ns_id, headers)
+        return info
+
     @staticmethod
     def _token_info(hashes: Sequence[bytes], headers: Sequence[bytes | None],
                     tokens: Sequence[tuple[int, ...] | None] | None,
@@ -300,6 +304,14 @@ class RequestHandler:
             parent = decode_header(buf)[0].parent_hash
             out[i] = BlockTokens(key, parent, toks, units or ())
         return out
+
+
+def _held(session: Session, lease: int, kind: type[T], what: str) -> T:
+    """The connection's record of ``lease``, which must be a ``kind``; LeaseError otherwise."""
+    info = session.leases.get(lease)
+    if not isinstance(info, kind):
+        raise LeaseError(f"no {what} {lease} on this connection")
+    return info
 
 
 def _priority(store: TieredStore, wire_priority: int) -> int:

@@ -119,44 +119,25 @@ def test_two_processes_share_blocks(daemon: Daemon) -> None:
             assert kv.load(NS_ID, keys) == [r for _, r in blocks]
 
 
-def test_client_killed_between_reserve_and_commit(daemon: Daemon) -> None:
-    blocks = make_blocks(2, MiB, tag=b"killed")
+@pytest.mark.parametrize("script, said, tag", [(RESERVE_THEN_HANG, "reserved", b"killed"),
+                                               (GRANT_THEN_HANG, "copied", b"killed-granted")],
+                         ids=["reserve-then-commit", "grant-copy-then-place"])
+def test_client_killed_between_writing_its_slots_and_publishing_them(daemon: Daemon, script: str, said: str,
+                                                                     tag: bytes) -> None:
+    blocks = make_blocks(2, MiB, tag=tag)
     keys = [k for k, _ in blocks]
-    writer = run_python(RESERVE_THEN_HANG, daemon.socket)
+    writer = run_python(script, daemon.socket)
     try:
-        assert writer.stdout.readline().strip() == "reserved", writer.stderr.read()
+        assert writer.stdout.readline().strip() == said, writer.stderr.read()
         with Client(daemon.socket) as kv:
-            assert kv.lookup(NS_ID, keys) is NO_HITS  # reserved and written, never committed
+            assert kv.lookup(NS_ID, keys) is NO_HITS  # written into its slots, never published
             assert kv.stats()["leases"] >= 1
             writer.send_signal(signal.SIGKILL)
             writer.wait(10)
             deadline = time.monotonic() + 10
             while kv.stats()["leases"] and time.monotonic() < deadline:
                 time.sleep(0.05)
-            assert kv.stats()["leases"] == 0, "the dead client's reservation was reclaimed"
-            assert kv.lookup(NS_ID, keys) is NO_HITS and kv.load(NS_ID, keys) == []
-            assert kv.save(NS_ID, blocks) == ["stored", "stored"]
-            assert kv.load(NS_ID, keys) == [r for _, r in blocks]
-    finally:
-        writer.kill()
-        writer.communicate()
-
-
-def test_client_killed_between_copying_into_granted_slots_and_placing(daemon: Daemon) -> None:
-    blocks = make_blocks(2, MiB, tag=b"killed-granted")
-    keys = [k for k, _ in blocks]
-    writer = run_python(GRANT_THEN_HANG, daemon.socket)
-    try:
-        assert writer.stdout.readline().strip() == "copied", writer.stderr.read()
-        with Client(daemon.socket) as kv:
-            assert kv.lookup(NS_ID, keys) is NO_HITS  # written into granted slots, never placed
-            assert kv.stats()["leases"] >= 1
-            writer.send_signal(signal.SIGKILL)
-            writer.wait(10)
-            deadline = time.monotonic() + 10
-            while kv.stats()["leases"] and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert kv.stats()["leases"] == 0, "the dead client's grants were reclaimed"
+            assert kv.stats()["leases"] == 0, "the dead client's reservation or grants were reclaimed"
             assert kv.stats()["pending"] == 0
             assert kv.lookup(NS_ID, keys) is NO_HITS and kv.load(NS_ID, keys) == []
             assert kv.save(NS_ID, blocks) == ["stored", "stored"]

@@ -20,7 +20,7 @@ def test_defaults() -> None:
     {"timeout_s": 0}, {"timeout_s": -1}, {"timeout_s": math.inf}, {"timeout_s": "5"},
     {"connect_timeout_s": math.nan}, {"retries": -1}, {"retries": 1.5}, {"retries": True},
     {"holddown_s": -0.1}, {"lease_ms": 0}, {"client_name": ""}, {"token": 5}, {"pipeline_bytes": -1},
-    {"tenant": "t" * 1025}, {"write_behind": 1}, {"write_behind": "yes"},
+    {"tenant": "t" * 1025}, {"write_behind": 1}, {"write_behind": "yes"}, {"grant_bytes": -1}, {"grant_bytes": 1.5},
 ])
 def test_rejected(kwargs: dict) -> None:
     with pytest.raises(InvalidRequest):

@@ -5,10 +5,12 @@ on 127.0.0.1, REST off) and connects one :class:`kvtier.client.Client` to each e
 
 Rows:
   * ``shm put`` / ``tcp put`` per block size (GB/s of payload): ``Client.save`` of batches of
-    ``--batch-mib`` bytes of blocks, through the unix socket (reserve → copy into the daemon's
-    shared memory → commit; pipelined in sub-batches with ``--pipeline-mib``) and through TCP
-    (records inline in ``put`` frames). The blocks are deleted (untimed) after each repetition,
-    so every save stores new blocks, never "exists".
+    ``--batch-mib`` bytes of blocks, through the unix socket (copy into the daemon's shared
+    memory, into slots it granted ahead of the save → ``place``, SPEC §7.4; the first save of a
+    block size, and every save with ``--grant-mib 0``: reserve → copy → commit, pipelined in
+    sub-batches with ``--pipeline-mib``) and through TCP (records inline in ``put`` frames). The
+    blocks are deleted (untimed) after each repetition, so every save stores new blocks, never
+    "exists".
   * ``shm put ..., write-behind``: the same saves from a client with
     ``ClientOptions.write_behind`` (each save returns once its payloads are in shared memory; the
     commits are answered while the next save copies), timed up to ``Client.flush()`` returning,
@@ -81,6 +83,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pipeline-mib", type=float, default=None,
                         help="payload MiB per pipelined sub-batch of the shm rows (default: the "
                              "client's, 0: one request batch at a time, each answer awaited)")
+    parser.add_argument("--grant-mib", type=float, default=None,
+                        help="MiB of slots each shm client keeps granted ahead of its saves "
+                             "(default: the client's; 0: every save reserves and commits, the "
+                             "protocol before granted slots)")
     parser.add_argument("--daemon-profile", metavar="FILE", default=None,
                         help="run the daemon under cProfile and write its stats to FILE")
 
@@ -100,6 +106,8 @@ def run(args: argparse.Namespace) -> SuiteResult:
     daemon = _daemon(work, host_bytes, args.daemon_profile)
     with daemon.running():
         pipe = {} if args.pipeline_mib is None else {"pipeline_bytes": int(args.pipeline_mib * MIB)}
+        if args.grant_mib is not None:
+            pipe["grant_bytes"] = int(args.grant_mib * MIB)
         with Client.connect(f"unix:{daemon.socket}", timeout_s=60.0, **pipe) as shm, \
                 Client.connect(f"unix:{daemon.socket}", timeout_s=60.0, write_behind=True, **pipe) as behind, \
                 Client.connect(daemon.tcp, token=daemon.token(), timeout_s=60.0) as tcp:

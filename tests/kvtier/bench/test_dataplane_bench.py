@@ -39,7 +39,8 @@ def test_quick_dataplane_bench_writes_json(registered: Path, tmp_path: Path) -> 
     argv = ["bench", "dataplane", "--quick", "--repetitions", "1", "--json", str(out),
             "--sizes-mib", "0.25,1", "--working-set-mib", "2", "--batch-mib", "1",
             "--lookup-keys", "64", "--lookup-calls", "20", "--work-dir", str(registered),
-            "--pipeline-mib", "0.5"]  # sub-batches of two 0.25 MiB blocks: the shm rows pipeline
+            "--pipeline-mib", "0.5",  # sub-batches of two 0.25 MiB blocks: the shm rows pipeline
+            "--grant-mib", "0"]  # and reserve/commit (granted slots: the default, in test_all_quick)
     assert main(argv) == 0
     doc = json.loads(out.read_text())
     assert doc["suite"] == "dataplane"

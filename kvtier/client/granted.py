@@ -61,7 +61,14 @@ def shm_save_flow(s: Session, ns_id: bytes, records: list[Record], extras: dict[
         return ["stored"] * len(records)
     results = []
     for ticket, start, end in places:
-        r = yield Await(ticket)
+        try:
+            r = yield Await(ticket)
+        except KVTierError:
+            # A refused place leaves its slots granted: give the grant back with the next save's
+            # requests rather than hold it until it expires. (A write-behind place refused later
+            # is recorded by the connection; its grant expires or ends with the connection.)
+            pool.drop({g.lease for g in taken[start:end]})
+            raise
         expect_len("place", r.results, end - start)
         results.extend(r.results)
     return results

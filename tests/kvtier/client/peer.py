@@ -51,6 +51,7 @@ class Peer:
         self.report_checked = False  # acquire says every block's payload was checked (as kvtierd's scrubber does)
         self.grants: dict[int, list[tuple[int, int, int] | None]] = {}  # grant -> slots not placed yet
         self.speaks_grants = True  # False: answers grant and place as an unknown op (an older daemon)
+        self.fail_on: dict[str, KVTierError] = {}  # op -> the error its next request is answered with
         self.inflight = self.most_inflight = 0  # requests being answered now / at most so far
         self.writers: set[asyncio.StreamWriter] = set()
         self.loop = asyncio.new_event_loop()
@@ -167,6 +168,8 @@ class Peer:
         try:
             req = F.validate_request(frame, limits=self.limits)
             self.last[op] = req
+            if op in self.fail_on:
+                raise self.fail_on.pop(op)
             if op in ("grant", "place") and not self.speaks_grants:
                 raise InvalidRequest(f"unknown op {op!r}")
             if op in ("reserve", "commit", "acquire", "grant", "place") and not unix:

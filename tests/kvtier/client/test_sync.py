@@ -208,6 +208,20 @@ def test_granted_save_retries_only_before_its_place(peer: Peer) -> None:
         assert kv.load(NS_ID, [a[0][0], b[0][0]]) == [a[0][1], b[0][1]]
 
 
+def test_a_refused_place_gives_its_grant_back(peer: Peer) -> None:
+    a, b, c = (make_blocks(1, 4096, tag=t) for t in (b"ra", b"rb", b"rc"))
+    with Client(peer.unix_path) as kv:
+        assert kv.save(NS_ID, a) == ["stored"]  # reserve/commit; one slot granted for the next save
+        (first,) = peer.grants
+        peer.fail_on["place"] = InvalidRequest("refused")
+        with pytest.raises(InvalidRequest):
+            kv.save(NS_ID, b)  # into that slot; its place refused: the slot stays granted...
+        assert first in peer.grants
+        assert kv.save(NS_ID, c) == ["stored"]  # ...until the next save's requests release it
+        assert first not in peer.grants
+        assert kv.lookup(NS_ID, [b[0][0]]) is NO_HITS and kv.load(NS_ID, [c[0][0]]) == [c[0][1]]
+
+
 def test_token_required(make_peer: Callable[..., Peer]) -> None:
     peer = make_peer(token="s3cret")
     tcp = f"tcp://127.0.0.1:{peer.tcp_port}"

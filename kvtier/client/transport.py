@@ -81,6 +81,7 @@ class BlockingConnection:
         self._arrived: dict[int, Frame] = {}  # answers read while waiting for another one
         self._forgotten: set[int] = set()  # ids whose answers are dropped when they arrive
         self._outbox: list[Buffer] = []  # frames of deferred requests, written with the next write
+        self._held: set[int] = set()  # ids of the requests in _outbox
         self._kept: list[int] = []  # write-behind commits whose answers are claimed later, oldest first
         self.late = LateErrors()  # what became of refused or lost write-behind commits
         self._buffers = PayloadBuffers(PAYLOAD_KEEP_BYTES)  # for large payloads (kvtier.buffers)
@@ -184,7 +185,9 @@ class BlockingConnection:
         else:
             self._outbox += frame
         self._inflight[ident] = call.op
-        if not call.defer:
+        if call.defer:
+            self._held.add(ident)
+        else:
             self.flush(deadline)
         return ident
 
@@ -197,6 +200,7 @@ class BlockingConnection:
         if not self._outbox:
             return
         out, self._outbox = self._outbox, []
+        self._held.clear()
         try:
             self._send(out, deadline)
         except BaseException:
@@ -267,6 +271,11 @@ class BlockingConnection:
                     raise
 
     def _read_until(self, ident: int, limits: Limits, deadline: float) -> Frame:
+        if ident in self._held:  # never wait for an answer to a request still held back
+            self.flush(deadline)
+        # Only then: a request sent already is answered whatever follows it, so the held-back
+        # ones (write-behind commits, releases) keep waiting for the next request to take them
+        # along, also while an answer is late.
         while True:
             frame = self._recv_frame(limits, deadline)
             other = frame.id
@@ -342,7 +351,6 @@ class BlockingConnection:
         pending = self._pending
         if len(pending) >= n:
             return
-        self.flush(deadline)  # never wait for an answer to a request still held back
         sock = self._live()
         with self._receive_errors():
             while len(pending) < n:
@@ -386,6 +394,7 @@ class BlockingConnection:
         self._arrived.clear()
         self._forgotten.clear()
         self._outbox.clear()
+        self._held.clear()
         self._buffers.close()
         if self._kept:
             self.late.lost(ConnectionLost("the connection closed"), len(self._kept))

@@ -181,6 +181,18 @@ def test_granted_saves_send_their_place_at_once(peer: Peer, monkeypatch: pytest.
     assert eventually(lambda: not peer.grants)
 
 
+def test_a_late_answer_leaves_the_held_back_commit_held(peer: Peer, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(behind, "FLUSH_AFTER_S", 30.0)
+    peer.delays["grant"] = 0.3  # the save waits for its refill's answer after the copy
+    with Client(peer.unix_path, write_behind=True) as kv:
+        kv.save(NS_ID, make_blocks(2, BLOCK, tag=b"late-grant"))
+        # Waiting for an answer to a request already sent does not write what is held back: the
+        # commit still waits for the next request (it used to leave whenever an answer was late).
+        assert peer.arrivals == ["reserve", "grant"]
+        kv.flush()
+        assert peer.arrivals == ["reserve", "grant", "commit"]
+
+
 def test_without_write_behind_a_save_waits_for_its_commit(peer: Peer) -> None:
     blocks, more = make_blocks(2, BLOCK, tag=b"plain"), make_blocks(2, BLOCK, tag=b"plain-more")
     with Client(peer.unix_path) as kv:

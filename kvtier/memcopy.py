@@ -8,13 +8,20 @@ from ``NONTEMPORAL_MIN_BYTES`` on x86-64 it copies with non-temporal stores and 
 ~1.5x the speed of ``memcpy`` for multi-MiB blocks on the development VM and leaving the CPU
 caches to the code that runs next. Otherwise it is CPython's memoryview assignment (``memcpy``).
 
-``kvtier bench dataplane`` times this same function as its baseline, so its ratios measure what
+One core does not reach the memory's bandwidth (on the development VM one streams ~7 GB/s, two
+~12), so :func:`copy_many_threads` splits a large batch over a few threads, each running
+:func:`copy_many` without the GIL on its share: what the client does with every save and load.
+
+``kvtier bench dataplane`` times these same functions as its baseline, so its ratios measure what
 kvtier adds to the copy, whichever copy runs. Torch-free, stdlib only.
 """
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 try:
@@ -82,4 +89,125 @@ copy_many: Callable[[Sequence[Any], Sequence[Any]], None] = (_memcopy.copy_many 
 Every pair is checked before any byte moves, so an error copies nothing; the GIL is released once
 for the whole batch. Raises what :func:`copy` raises, and ValueError if the counts differ."""
 
-__all__ = ["NATIVE", "NONTEMPORAL", "NONTEMPORAL_MIN_BYTES", "copy", "copy_many", "copy_many_plain", "copy_plain"]
+PARALLEL_MIN_BYTES = 8 << 20
+"""A batch smaller than this is copied on the calling thread alone: handing shares to other
+threads costs tens of µs, a few % of a 1 MiB copy but nothing next to a multi-MiB one."""
+MAX_COPY_THREADS = 16
+SPLIT_ALIGN = 4096
+"""Shares are cut inside a pair at multiples of this (from the pair's start): both halves keep the
+pair's alignment and its destination-source distance mod 4 KiB, which choose the C routine's loop."""
+
+
+def default_copy_threads() -> int:
+    """Threads a client copies with by default: the CPUs this process may run on, at most 4
+    (enough for one socket's memory channels from the cores of a busy engine host)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(4, cpus))
+
+
+class _Pool:
+    """The helper threads of :func:`copy_many_threads`, made on first use and made again in a
+    forked child (a fork keeps the executor object but none of its threads)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._executor: ThreadPoolExecutor | None = None
+        self._pid = 0
+        self._workers = 0
+
+    def executor(self, workers: int) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._executor is None or self._pid != os.getpid() or self._workers < workers:
+                old = self._executor if self._pid == os.getpid() else None
+                self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvtier-copy")
+                self._pid, self._workers = os.getpid(), workers
+                if old is not None:
+                    old.shutdown(wait=False)
+            return self._executor
+
+
+_POOL = _Pool()
+
+
+def _shares(dsts: Sequence[memoryview], srcs: Sequence[memoryview], total: int,
+            parts: int) -> list[tuple[list[memoryview], list[memoryview]]]:
+    """The byte views of the pairs cut into at most ``parts`` runs of about ``total / parts``
+    bytes, in order; a pair crossing a boundary is cut at a multiple of SPLIT_ALIGN from its start.
+    (Each run is at least PARALLEL_MIN_BYTES / MAX_COPY_THREADS >> SPLIT_ALIGN bytes, so a cut
+    always lands inside the run being filled once that run is empty.)"""
+    target = -(-total // parts)
+    out: list[tuple[list[memoryview], list[memoryview]]] = []
+    run_d: list[memoryview] = []
+    run_s: list[memoryview] = []
+    filled = 0
+    for d, s in zip(dsts, srcs):
+        off, n = 0, d.nbytes
+        while off < n:
+            take = n - off
+            last = len(out) == parts - 1
+            if not last and filled + take > target:
+                take = (off + target - filled) // SPLIT_ALIGN * SPLIT_ALIGN - off  # <= 0: run ends here
+            if take > 0:
+                run_d.append(d[off:off + take])
+                run_s.append(s[off:off + take])
+                off += take
+                filled += take
+            if not last and (off < n or filled >= target):
+                assert run_d, "a cut always lands inside an empty run"
+                out.append((run_d, run_s))
+                run_d, run_s, filled = [], [], 0
+    if run_d:
+        out.append((run_d, run_s))
+    return out
+
+
+def copy_many_threads(dsts: Sequence[Any], srcs: Sequence[Any], threads: int) -> None:
+    """:func:`copy_many` with the bytes shared out over up to ``threads`` threads (the caller's
+    and ``threads - 1`` helpers), from PARALLEL_MIN_BYTES of batch on; below that, or with one
+    thread, it is :func:`copy_many`. Every pair is checked before any byte moves, so an error
+    copies nothing. The pairs must not overlap one another (each may overlap itself: a memmove),
+    since shares are copied at the same time.
+
+    Raises:
+        ValueError: ``threads`` is not in 1..MAX_COPY_THREADS; and what :func:`copy_many` raises.
+    """
+    if type(threads) is not int or not 1 <= threads <= MAX_COPY_THREADS:
+        raise ValueError(f"copy threads must be an integer in 1..{MAX_COPY_THREADS}, got {threads!r}")
+    if threads == 1 or len(dsts) != len(srcs):
+        copy_many(dsts, srcs)  # also raises the count mismatch
+        return
+    views: list[memoryview] = []
+    try:
+        bd: list[memoryview] = []
+        bs: list[memoryview] = []
+        for d, s in zip(dsts, srcs):
+            dv, sv = memoryview(d), memoryview(s)
+            views += (dv, sv)
+            _check_pair(dv, sv, "copy_many")
+            bd.append(dv.cast("B") if dv.format != "B" or dv.ndim != 1 else dv)
+            bs.append(sv.cast("B") if sv.format != "B" or sv.ndim != 1 else sv)
+        views += bd + bs
+        total = sum(v.nbytes for v in bd)
+        if total < PARALLEL_MIN_BYTES:
+            copy_many(bd, bs)
+            return
+        shares = _shares(bd, bs, total, threads)
+        for share in shares:
+            views += share[0] + share[1]
+        executor = _POOL.executor(threads - 1)
+        futures: list[Future[None]] = [executor.submit(copy_many, *share) for share in shares[1:]]
+        try:
+            copy_many(*shares[0])
+        finally:
+            for f in futures:
+                f.result()  # every share done before any view is released, also after an error
+    finally:
+        for v in reversed(views):
+            v.release()
+
+
+__all__ = ["MAX_COPY_THREADS", "NATIVE", "NONTEMPORAL", "NONTEMPORAL_MIN_BYTES", "PARALLEL_MIN_BYTES", "copy",
+           "copy_many", "copy_many_plain", "copy_many_threads", "copy_plain", "default_copy_threads"]

@@ -21,15 +21,17 @@ Rows:
     rotating over the working set exactly as the baseline's do. The gets start once the daemon has checked the stored blocks (it does
     so within ``kvtier.store.scrub.MAX_DELAY_S`` of a save), as a later load of a saved prefix
     finds them: the copy out of shared memory is then not hashed again by the client.
-  * Baseline of all four: ``kvtier.memcopy.copy`` of the same bytes on one thread, the very copy
-    the client makes into and out of shared memory (non-temporal stores where the C routine is
-    built; a plain memcpy otherwise): the ratio is what kvtier adds to its own copy. Sources and
-    destinations of both sides rotate over ``--working-set-mib`` (default 256) so neither side
-    measures the CPU cache. Records (header + payload, built with kvtier_protocol.header on
-    random bytes) are built once, before anything is timed.
-  * ``memcpy ...``: that copy next to a torch ``copy_`` of the same bytes (``--memcpy-threads``,
-    default one; the baseline of earlier versions of this suite, as fast as glibc's memcpy here):
-    how much faster the client's copy is than the usual one.
+  * Baseline of all four: ``kvtier.memcopy.copy_many_threads`` of the same bytes, batch by batch
+    on as many threads as the client copies with (``--copy-threads``; the client's default: the
+    CPUs of this process, at most 4): the very copy the client makes into and out of shared memory
+    (non-temporal stores where the C routine is built; a plain memcpy otherwise), so the ratio is
+    what kvtier adds to its own copy. Sources and destinations of both sides rotate over
+    ``--working-set-mib`` (default 256) so neither side measures the CPU cache. Records (header +
+    payload, built with kvtier_protocol.header on random bytes) are built once, before anything
+    is timed.
+  * ``memcpy ...``: that copy next to a torch ``copy_`` of the same bytes on the same threads
+    (torch's copy is as fast as glibc's memcpy here): how much faster the client's copy is than
+    the usual one.
   * ``lookup`` p50 / p99 (ms): ``Client.lookup`` of the chain hashes of a 128K-token prompt
     (512 keys of 256 tokens, all stored, so the daemon walks every one), next to a ``ping`` over
     the same socket: the round trip every call pays, the floor a lookup sits on.
@@ -75,9 +77,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="chain hashes of 256 tokens per lookup (default 512: a 128K-token prompt)")
     parser.add_argument("--lookup-calls", type=int, default=None,
                         help="lookups (and pings) per repetition (default 1000; --quick 200)")
-    parser.add_argument("--memcpy-threads", type=int, default=1,
-                        help="torch threads of the copy_ reference in the 'memcpy' rows (default 1: "
-                             "the client copies on one)")
+    parser.add_argument("--copy-threads", type=int, default=None,
+                        help="threads the shm clients copy with, and the baseline copy and the torch "
+                             "copy_ reference too (default: the client's, the CPUs of this process, at "
+                             "most 4)")
     parser.add_argument("--work-dir", default=None,
                         help="parent of the daemon's temp dir (socket, token, disk, log; default $TMPDIR)")
     parser.add_argument("--pipeline-mib", type=float, default=None,
@@ -105,7 +108,10 @@ def run(args: argparse.Namespace) -> SuiteResult:
     host_bytes = 2 * ws + max(sizes) + args.lookup_keys * (LOOKUP_PAYLOAD + 4096) + 64 * MIB
     daemon = _daemon(work, host_bytes, args.daemon_profile)
     with daemon.running():
-        pipe = {} if args.pipeline_mib is None else {"pipeline_bytes": int(args.pipeline_mib * MIB)}
+        threads = args.copy_threads or memcopy.default_copy_threads()
+        pipe: dict[str, int] = {"copy_threads": threads}
+        if args.pipeline_mib is not None:
+            pipe["pipeline_bytes"] = int(args.pipeline_mib * MIB)
         if args.grant_mib is not None:
             pipe["grant_bytes"] = int(args.grant_mib * MIB)
         with Client.connect(f"unix:{daemon.socket}", timeout_s=60.0, **pipe) as shm, \
@@ -113,7 +119,7 @@ def run(args: argparse.Namespace) -> SuiteResult:
                 Client.connect(daemon.tcp, token=daemon.token(), timeout_s=60.0) as tcp:
             assert shm.session is not None and shm.session.shm is not None, "unix socket without segments"
             for nbytes in sizes:
-                result.rows += _block_rows(shm, behind, tcp, nbytes, ws, batch, reps, args.memcpy_threads)
+                result.rows += _block_rows(shm, behind, tcp, nbytes, ws, batch, reps, threads)
             result.rows += _lookup_rows(shm, tcp, args.lookup_keys, calls, reps)
     return result
 
@@ -176,10 +182,12 @@ def _block_rows(shm: Client, behind: Client, tcp: Client, nbytes: int, ws: int, 
     dst_views = [d.numpy() for d in dsts]
     into = [[dst_views[i] for i in g] for g in groups]  # the baseline's destinations
 
-    def memcpy() -> float:
+    froms = [[src_views[i] for i in g] for g in groups]
+
+    def memcpy() -> float:  # batch by batch, as the client copies
         with Timer() as t:
-            for s, d in zip(src_views, dst_views):
-                memcopy.copy(d, s)
+            for d, s in zip(into, froms):
+                memcopy.copy_many_threads(d, s, threads)
         return gbps(n * nbytes, t.seconds)
 
     def torch_copy() -> float:
@@ -218,8 +226,9 @@ def _block_rows(shm: Client, behind: Client, tcp: Client, nbytes: int, ws: int, 
             return gbps(n * nbytes, t.seconds)
         return once
 
-    base_name = f"memcpy ({'kvtier.memcopy, non-temporal' if memcopy.NONTEMPORAL else 'plain'}, 1 thread)"
-    torch_name = f"torch copy_ ({threads} thread{'s' if threads > 1 else ''})"
+    plural = f"{threads} thread{'s' if threads > 1 else ''}"
+    base_name = f"memcpy ({'kvtier.memcopy, non-temporal' if memcopy.NONTEMPORAL else 'plain'}, {plural})"
+    torch_name = f"torch copy_ ({plural})"
     copy_kv, copy_base = alternate(memcpy, torch_copy, repetitions=reps)
     rows = [throughput_row(f"memcpy {label} (kvtier.memcopy)", "throughput", "GB/s", copy_kv, torch_name, copy_base)]
     for name, client, suffix in (("shm", shm, ""), ("shm", behind, ", write-behind"), ("tcp", tcp, "")):

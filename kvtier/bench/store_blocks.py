@@ -7,6 +7,8 @@ import hashlib
 
 import torch
 
+from kvtier import memcopy
+
 from kvtier.store.store import TieredStore
 from kvtier_protocol.header import BlockHeader, Section, encode_header, payload_checksum
 
@@ -39,31 +41,29 @@ def batches(n: int, per: int) -> list[range]:
     return [range(i, min(n, i + per)) for i in range(0, n, per)]
 
 
-async def put_blocks(store: TieredStore, hashes: list[bytes], headers: list[bytes], srcs: list[torch.Tensor],
-                     per: int) -> None:
-    """Store every block through the host tier, ``per`` blocks a reservation."""
+async def put_blocks(store: TieredStore, hashes: list[bytes], headers: list[bytes], srcs: list[memoryview],
+                     per: int, threads: int) -> None:
+    """Store every block through the host tier, ``per`` blocks a reservation, each batch copied
+    as kvtier's client copies it (views first, then one ``copy_many_threads`` on ``threads``:
+    Python run between multi-MiB copies runs on emptied caches at ~3x its warm cost)."""
     assert store.host is not None
     for r in batches(len(hashes), per):
-        res = await store.reserve(NS, hashes[r.start:r.stop], [srcs[i].numel() for i in r])
+        res = await store.reserve(NS, hashes[r.start:r.stop], [srcs[i].nbytes for i in r])
         if any(slot is None for slot in res.slots):
             raise RuntimeError("the bench's host tier is too small for its working set")
-        # Views first, then the copies back to back, as kvtier's client does (copy_many): Python
-        # run between multi-MiB copies runs on emptied caches at ~3x its warm cost.
-        views = [store.host.torch_view(slot) for slot in res.slots]
-        for i, view in zip(r, views):
-            view.copy_(srcs[i])
+        memcopy.copy_many_threads([store.host.view(slot) for slot in res.slots], srcs[r.start:r.stop], threads)
         await store.commit(res.lease_id, headers[r.start:r.stop])
 
 
-async def get_blocks(store: TieredStore, hashes: list[bytes], dsts: list[torch.Tensor], per: int) -> int:
-    """Copy every stored block out of its host slot into ``dsts``; how many were found."""
+async def get_blocks(store: TieredStore, hashes: list[bytes], dsts: list[memoryview], per: int, threads: int) -> int:
+    """Copy every stored block out of its host slot into ``dsts`` (as in :func:`put_blocks`);
+    how many were found."""
     assert store.host is not None
     got = 0
     for r in batches(len(hashes), per):
         acq = await store.acquire(NS, hashes[r.start:r.stop])
-        views = [store.host.torch_view(block.slot) for block in acq.blocks]  # as in put_blocks
-        for i, view in zip(r, views):
-            dsts[i].copy_(view)
+        memcopy.copy_many_threads(dsts[r.start:r.start + len(acq.blocks)],
+                                  [store.host.view(block.slot) for block in acq.blocks], threads)
         got += len(acq.blocks)
         if acq.lease_id:
             store.release(acq.lease_id)

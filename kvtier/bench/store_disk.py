@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from kvtier import memcopy
 from kvtier.bench.report import Row, Timer, alternate, gbps, progress, throughput_row
 from kvtier.bench.store_blocks import MIB, NS, batches, block_header, chain_hash, get_blocks, put_blocks, random_blocks
 from kvtier.store.config import StoreConfig
@@ -149,6 +150,7 @@ def _write(disk: DiskTier, keys: list[bytes], headers: list[bytes], views: list[
 def _promote_row(loop: asyncio.AbstractEventLoop, work: Path, block: int, count: int,
                  items: list[tuple[bytes, bytes, memoryview]], per: int, reps: int, cold: str) -> Row:
     total = block * count
+    threads = memcopy.default_copy_threads()  # as kvtier's client copies
     cfg = StoreConfig(host_bytes=total + 64 * MIB, host_name_prefix="kvtier-bench", disk_path=str(work / "s"),
                       disk_bytes=2 * total)
     hashes = [k[len(NS):] for k, _, _ in items]
@@ -157,10 +159,10 @@ def _promote_row(loop: asyncio.AbstractEventLoop, work: Path, block: int, count:
 
     async def fill() -> None:
         async with TieredStore(dataclasses.replace(cfg, write_through=True)) as store:
-            await put_blocks(store, hashes, [h for _, h, _ in items], srcs, per)
+            await put_blocks(store, hashes, [h for _, h, _ in items], [v.numpy() for v in srcs], per, threads)
 
     loop.run_until_complete(fill())
-    dsts = [torch.empty(block, dtype=torch.uint8) for _ in range(per)]  # get_blocks indexes within a batch
+    dsts = [torch.empty(block, dtype=torch.uint8).numpy() for _ in range(per)]  # get_blocks indexes within a batch
 
     def promote() -> float:
         _drop_cache(work / "s", cold)
@@ -171,7 +173,7 @@ def _promote_row(loop: asyncio.AbstractEventLoop, work: Path, block: int, count:
             store.host.prefault_done.wait()
             with Timer() as t:
                 for r in batches(count, per):
-                    got = loop.run_until_complete(get_blocks(store, hashes[r.start:r.stop], dsts, per))
+                    got = loop.run_until_complete(get_blocks(store, hashes[r.start:r.stop], dsts, per, threads))
                     assert got == len(r), f"promotion served {got} of {len(r)} blocks"
             return gbps(total, t.seconds)
         finally:

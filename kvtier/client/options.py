@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from kvtier_protocol.errors import InvalidRequest
 from kvtier_protocol.wire_checks import DEFAULT_LEASE_MS, MAX_TEXT_LEN
 
+from kvtier.memcopy import MAX_COPY_THREADS, default_copy_threads
+
 
 VERIFY_MODES = ("auto", "always")
 
@@ -66,6 +68,10 @@ class ClientOptions:
             daemon's host memory): a save of blocks of one size that fits copies into granted
             slots at once and needs one round trip instead of two. They are held until used, the
             connection ends, or half their lease passed. 0: every save reserves its slots.
+        copy_threads: threads that copy a batch of payloads into and out of shared memory
+            (kvtier.memcopy.copy_many_threads: batches from 8 MiB on are shared out; one core does
+            not reach the memory's bandwidth). None (default): the CPUs this process may use, at
+            most 4. 1: the calling thread alone.
     """
 
     token: str | None = field(default=None, repr=False)
@@ -80,6 +86,7 @@ class ClientOptions:
     pipeline_bytes: int = 0
     write_behind: bool = False
     grant_bytes: int = GRANT_BYTES
+    copy_threads: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("token", "tenant"):
@@ -105,7 +112,16 @@ class ClientOptions:
                                  f"got {self.pipeline_bytes!r}")
         if type(self.grant_bytes) is not int or self.grant_bytes < 0:
             raise InvalidRequest(f"client option grant_bytes must be an integer >= 0, got {self.grant_bytes!r}")
+        if self.copy_threads is not None and (type(self.copy_threads) is not int
+                                              or not 1 <= self.copy_threads <= MAX_COPY_THREADS):
+            raise InvalidRequest(f"client option copy_threads must be an integer in 1..{MAX_COPY_THREADS} "
+                                 f"or None, got {self.copy_threads!r}")
         if type(self.write_behind) is not bool:
             raise InvalidRequest(f"client option write_behind must be a bool, got {self.write_behind!r}")
         if type(self.lease_ms) is not int or self.lease_ms < 1:
             raise InvalidRequest(f"client option lease_ms must be a positive integer, got {self.lease_ms!r}")
+
+    @property
+    def resolved_copy_threads(self) -> int:
+        """``copy_threads``, or the default for this process when None."""
+        return self.copy_threads if self.copy_threads is not None else default_copy_threads()

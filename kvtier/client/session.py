@@ -82,6 +82,7 @@ def open_session(response: HelloResponse, fds: Sequence[int], options: ClientOpt
         if fds or (response.fds and response.segments):
             owned, fds = fds, ()  # from_fds closes them, also when it fails
             shm = SegmentMap.from_fds(response.segments, owned)
+            shm.copy_threads = options.resolved_copy_threads
         else:
             shm = None  # TCP: no segments to map, payloads travel inline
     finally:

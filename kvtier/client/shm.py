@@ -68,6 +68,9 @@ class SegmentMap:
         assert len(segments) == len(maps), "one mapping per segment"
         self._segments = tuple(segments)
         self._maps: list[mmap.mmap] = list(maps)
+        self.copy_threads = 1
+        """Threads that copy a batch in :meth:`write_many` / :meth:`read_many`
+        (``ClientOptions.copy_threads``; kvtier.memcopy.copy_many_threads)."""
 
     @classmethod
     def from_fds(cls, segments: Sequence[Segment], fds: Sequence[int]) -> SegmentMap:
@@ -132,7 +135,8 @@ class SegmentMap:
 
     def write_many(self, slots: Sequence[SlotRef], payloads: Sequence[Buffer]) -> None:
         """:meth:`write` of ``payloads[i]`` into ``slots[i]`` for every ``i``, the copies made in
-        one call (:func:`kvtier.memcopy.copy_many`) once every slot is checked.
+        one call (:func:`kvtier.memcopy.copy_many_threads`, on :attr:`copy_threads` threads) once
+        every slot is checked.
 
         Raises:
             FrameError: a slot lies outside the segments or its length differs from its payload
@@ -140,7 +144,8 @@ class SegmentMap:
         """
         with _Views() as views:
             srcs = [views.keep(memoryview(p)) for p in payloads]
-            memcopy.copy_many(self._slot_views(slots, [s.nbytes for s in srcs], views), srcs)
+            memcopy.copy_many_threads(self._slot_views(slots, [s.nbytes for s in srcs], views), srcs,
+                                      self.copy_threads)
 
     def read_many(self, slots: Sequence[SlotRef], dests: Sequence[memoryview]) -> None:
         """The bytes of ``slots[i]`` into ``dests[i]`` for every ``i``, in one call (as
@@ -151,7 +156,8 @@ class SegmentMap:
                 destination (then nothing is copied).
         """
         with _Views() as views:
-            memcopy.copy_many(dests, self._slot_views(slots, [d.nbytes for d in dests], views))
+            memcopy.copy_many_threads(dests, self._slot_views(slots, [d.nbytes for d in dests], views),
+                                      self.copy_threads)
 
     def _slot_views(self, slots: Sequence[SlotRef], lengths: Sequence[int], views: _Views) -> list[memoryview]:
         """A view of each slot, checked against the segments and against its expected length."""

@@ -126,6 +126,87 @@ def test_copy_many_checks_every_pair_before_it_copies(copy_many) -> None:
         copy_many(1, [])
 
 
+@pytest.mark.parametrize("threads", [2, 3, 4, memcopy.MAX_COPY_THREADS])
+def test_copy_many_threads_copies_every_pair(threads: int) -> None:
+    # Above PARALLEL_MIN_BYTES: the shares cut pairs apart, at odd offsets in shared memory.
+    sizes = [5, 3 * (1 << 20) + 7, 4096, NT_MIN + 3, 6 * (1 << 20) + 1, 0, 1 << 20]
+    assert sum(sizes) >= memcopy.PARALLEL_MIN_BYTES
+    srcs = [_random(n, n + 1) for n in sizes]
+    with mmap.mmap(-1, sum(sizes) + 64 * len(sizes)) as mm:
+        mm.write(b"\xee" * len(mm))
+        with memoryview(mm) as view:
+            dsts, off = [], 0
+            for n in sizes:
+                dsts.append(view[off + 17:off + 17 + n])  # guard bytes between
+                off += n + 64
+            memcopy.copy_many_threads(dsts, srcs, threads)
+            assert [bytes(d) for d in dsts] == srcs
+            off = 0
+            for n in sizes:
+                assert view[off:off + 17] == b"\xee" * 17 and view[off + 17 + n:off + 64 + n] == b"\xee" * 47
+                off += n + 64
+            for d in dsts:
+                d.release()
+
+
+def test_copy_many_threads_checks_every_pair_before_it_copies() -> None:
+    big = memcopy.PARALLEL_MIN_BYTES
+    first = bytearray(big)
+    for dsts, srcs, error in [
+        ([first, bytearray(3)], [_random(big, 1), b"ab"], ValueError),
+        ([first, b"xy"], [_random(big, 1), b"ab"], BufferError),
+        ([first, bytearray(1)], [_random(big, 1), 1], TypeError),
+        ([first], [_random(big, 1), b"a"], ValueError),
+    ]:
+        with pytest.raises(error):
+            memcopy.copy_many_threads(dsts, srcs, 2)
+        assert first == bytearray(big), "nothing is copied when any pair is bad"
+    for threads in (0, memcopy.MAX_COPY_THREADS + 1, 2.0, True):
+        with pytest.raises(ValueError):
+            memcopy.copy_many_threads([first], [bytes(big)], threads)
+
+
+def test_shares_are_even_in_order_and_cut_at_aligned_offsets() -> None:
+    sizes = [3 * (1 << 20) + 5, 7, 10 * (1 << 20) + 1, 1 << 20]
+    srcs = [memoryview(bytearray(n)) for n in sizes]
+    dsts = [memoryview(bytearray(n)) for n in sizes]
+    total = sum(sizes)
+    for parts in (2, 3, 4, 16):
+        shares = memcopy._shares(dsts, srcs, total, parts)
+        assert len(shares) == parts
+        pieces = [(d, s) for ds, ss in shares for d, s in zip(ds, ss)]
+        assert sum(d.nbytes for d, _ in pieces) == total
+        assert all(d.nbytes == s.nbytes for d, s in pieces)
+        assert all(abs(sum(d.nbytes for d in ds) - total / parts) < 4096 + 8 for ds, _ in shares[:-1])
+        # In order, and every cut inside a pair at a multiple of 4 KiB from its start.
+        pair, off = 0, 0
+        for d, s in pieces:
+            while off == sizes[pair]:
+                pair, off = pair + 1, 0
+            assert off % memcopy.SPLIT_ALIGN == 0
+            assert d.obj is dsts[pair].obj and s.obj is srcs[pair].obj
+            off += d.nbytes
+        assert (pair, off) == (len(sizes) - 1, sizes[-1])
+
+
+def test_copy_many_threads_works_again_in_a_forked_child() -> None:
+    big = memcopy.PARALLEL_MIN_BYTES
+    src = _random(big, 7)
+    dst = bytearray(big)
+    memcopy.copy_many_threads([dst], [src], 2)  # the parent's helper threads exist now
+    pid = os.fork()
+    if pid == 0:  # the child: the fork kept the executor object but none of its threads
+        out = bytearray(big)
+        try:
+            memcopy.copy_many_threads([out], [src], 2)
+            os._exit(0 if out == src else 1)
+        except BaseException:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert dst == src
+
+
 @pytest.mark.parametrize("copy", COPIES)
 def test_copies_into_shared_memory_and_numpy(copy) -> None:
     n = 2 * (1 << 20) + 3

@@ -20,7 +20,7 @@ from kvtier.bench import dataplane
 from kvtier.bench.report import Row
 from kvtier.cli import main
 
-MEMCPY = f"memcpy ({'kvtier.memcopy, non-temporal' if memcopy.NONTEMPORAL else 'plain'}, 1 thread)"
+MEMCPY = f"memcpy ({'kvtier.memcopy, non-temporal' if memcopy.NONTEMPORAL else 'plain'}, 2 threads)"
 HELP = "daemon data plane: put/get over shared memory and TCP vs memcpy; lookup p50/p99 vs ping"
 
 
@@ -40,7 +40,8 @@ def test_quick_dataplane_bench_writes_json(registered: Path, tmp_path: Path) -> 
             "--sizes-mib", "0.25,1", "--working-set-mib", "2", "--batch-mib", "1",
             "--lookup-keys", "64", "--lookup-calls", "20", "--work-dir", str(registered),
             "--pipeline-mib", "0.5",  # sub-batches of two 0.25 MiB blocks: the shm rows pipeline
-            "--grant-mib", "0"]  # and reserve/commit (granted slots: the default, in test_all_quick)
+            "--grant-mib", "0",  # and reserve/commit (granted slots: the default, in test_all_quick)
+            "--copy-threads", "2"]  # the clients, the baseline and torch's copy_ alike
     assert main(argv) == 0
     doc = json.loads(out.read_text())
     assert doc["suite"] == "dataplane"
@@ -63,7 +64,7 @@ def test_quick_dataplane_bench_writes_json(registered: Path, tmp_path: Path) -> 
         else:
             assert (row["metric"], row["unit"]) == ("throughput", "GB/s")
             # every data-plane row against the client's own copy; that copy against torch's
-            expect = "torch copy_ (1 thread)" if row["case"].startswith("memcpy") else MEMCPY
+            expect = "torch copy_ (2 threads)" if row["case"].startswith("memcpy") else MEMCPY
             assert row["baseline_name"] == expect
             assert row["ratio"] == pytest.approx(row["kvtier"] / row["baseline"])
         assert math.isfinite(row["kvtier"]) and row["kvtier"] > 0 and row["baseline"] > 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 
@@ -21,7 +22,14 @@ def test_defaults() -> None:
     {"connect_timeout_s": math.nan}, {"retries": -1}, {"retries": 1.5}, {"retries": True},
     {"holddown_s": -0.1}, {"lease_ms": 0}, {"client_name": ""}, {"token": 5}, {"pipeline_bytes": -1},
     {"tenant": "t" * 1025}, {"write_behind": 1}, {"write_behind": "yes"}, {"grant_bytes": -1}, {"grant_bytes": 1.5},
+    {"copy_threads": 0}, {"copy_threads": 17}, {"copy_threads": 2.0}, {"copy_threads": True},
 ])
 def test_rejected(kwargs: dict) -> None:
     with pytest.raises(InvalidRequest):
         ClientOptions(**kwargs)
+
+
+def test_copy_threads_default_to_this_process_cpus() -> None:
+    cpus = len(os.sched_getaffinity(0))
+    assert ClientOptions().resolved_copy_threads == max(1, min(4, cpus))
+    assert ClientOptions(copy_threads=3).resolved_copy_threads == 3

@@ -37,6 +37,21 @@ def test_save_load_byte_identical(peer: Peer, path: str) -> None:
     assert eventually(lambda: not peer.leases), "every reservation was committed and every pin released"
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_saves_and_loads_copy_on_the_configured_threads(peer: Peer, threads: int) -> None:
+    # 12 MiB batches: above kvtier.memcopy.PARALLEL_MIN_BYTES, so three threads share each copy.
+    blocks = make_blocks(3, 4 * MiB, tag=b"threads")
+    keys = [k for k, _ in blocks]
+    with Client.connect(addresses(peer)["unix"], copy_threads=threads) as kv:
+        assert kv.session.shm.copy_threads == threads
+        assert kv.save(NS_ID, blocks) == ["stored"] * 3
+        assert kv.load(NS_ID, keys) == [r for _, r in blocks]
+        payloads = [memoryview(r)[len(r) - 4 * MiB:] for _, r in blocks]
+        into = [bytearray(4 * MiB) for _ in blocks]
+        assert len(kv.load_into(NS_ID, keys, into)) == 3
+        assert [bytes(b) for b in into] == [bytes(p) for p in payloads]
+
+
 @pytest.mark.parametrize("path", ["unix", "tcp"])
 def test_prefix_semantics_and_batching(make_peer: Callable[..., Peer], path: str) -> None:
     peer = make_peer(limits=Limits(max_batch=4))

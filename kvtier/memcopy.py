@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 try:
@@ -202,8 +202,9 @@ def copy_many_threads(dsts: Sequence[Any], srcs: Sequence[Any], threads: int) ->
         try:
             copy_many(*shares[0])
         finally:
-            for f in futures:
-                f.result()  # every share done before any view is released, also after an error
+            wait(futures)  # every share done before any view is released, also after an error
+        for f in futures:
+            f.result()  # raises a helper's error (none is expected: every pair was checked)
     finally:
         for v in reversed(views):
             v.release()

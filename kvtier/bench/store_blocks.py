@@ -8,7 +8,6 @@ import hashlib
 import torch
 
 from kvtier import memcopy
-
 from kvtier.store.store import TieredStore
 from kvtier_protocol.header import BlockHeader, Section, encode_header, payload_checksum
 

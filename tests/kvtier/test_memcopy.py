@@ -149,6 +149,14 @@ def test_copy_many_threads_copies_every_pair(threads: int) -> None:
                 d.release()
 
 
+def test_copy_many_threads_copies_multi_byte_formats_by_bytes() -> None:
+    halves = np.random.default_rng(3).random((2048, 2048)).astype(np.float16)  # 8 MiB, 2-D
+    floats = np.random.default_rng(4).random((1024, 1024)).astype(np.float32)
+    out_h, out_f = np.zeros_like(halves), np.zeros_like(floats)
+    memcopy.copy_many_threads([out_h, out_f], [halves, floats], 3)
+    assert out_h.tobytes() == halves.tobytes() and out_f.tobytes() == floats.tobytes()
+
+
 def test_copy_many_threads_checks_every_pair_before_it_copies() -> None:
     big = memcopy.PARALLEL_MIN_BYTES
     first = bytearray(big)

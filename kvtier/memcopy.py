@@ -99,13 +99,48 @@ pair's alignment and its destination-source distance mod 4 KiB, which choose the
 
 
 def default_copy_threads() -> int:
-    """Threads a client copies with by default: the CPUs this process may run on, at most 4
-    (enough for one socket's memory channels from the cores of a busy engine host)."""
+    """Threads a client copies with by default: the CPUs this process may run on (its affinity,
+    and its cgroup's CPU quota: a container limited to 2 CPUs of a 64-core host gets 2), at most
+    4 (enough for one socket's memory channels from the cores of a busy engine host)."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
         cpus = os.cpu_count() or 1
+    quota = cgroup_cpu_quota()
+    if quota is not None:
+        cpus = min(cpus, max(1, int(quota)))
     return max(1, min(4, cpus))
+
+
+def cgroup_cpu_quota(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> float | None:
+    """The CPUs this process's cgroup may use per period (``cpu.max`` in cgroup v2,
+    ``cpu.cfs_quota_us / cpu.cfs_period_us`` in v1), or None: no quota, or none readable."""
+    try:
+        with open(proc_cgroup, encoding="ascii") as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return None
+    for line in lines:
+        hid, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        path = path.lstrip("/")
+        try:
+            if hid == "0" and controllers == "":  # v2: one unified hierarchy
+                with open(os.path.join(root, path, "cpu.max"), encoding="ascii") as f:
+                    quota, period = f.read().split()[:2]
+                if quota != "max":
+                    return int(quota) / int(period)
+            elif "cpu" in controllers.split(","):  # v1: the cpu controller's hierarchy
+                base = os.path.join(root, controllers, path)
+                with open(os.path.join(base, "cpu.cfs_quota_us"), encoding="ascii") as f:
+                    quota_us = int(f.read())
+                with open(os.path.join(base, "cpu.cfs_period_us"), encoding="ascii") as f:
+                    period_us = int(f.read())
+                if quota_us > 0 and period_us > 0:
+                    return quota_us / period_us
+        except (OSError, ValueError, ZeroDivisionError):
+            continue
+    return None
 
 
 class _Pool:
@@ -210,5 +245,6 @@ def copy_many_threads(dsts: Sequence[Any], srcs: Sequence[Any], threads: int) ->
             v.release()
 
 
-__all__ = ["MAX_COPY_THREADS", "NATIVE", "NONTEMPORAL", "NONTEMPORAL_MIN_BYTES", "PARALLEL_MIN_BYTES", "copy",
-           "copy_many", "copy_many_plain", "copy_many_threads", "copy_plain", "default_copy_threads"]
+__all__ = ["MAX_COPY_THREADS", "NATIVE", "NONTEMPORAL", "NONTEMPORAL_MIN_BYTES", "PARALLEL_MIN_BYTES",
+           "cgroup_cpu_quota", "copy", "copy_many", "copy_many_plain", "copy_many_threads", "copy_plain",
+           "default_copy_threads"]

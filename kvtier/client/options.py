@@ -70,8 +70,8 @@ class ClientOptions:
             connection ends, or half their lease passed. 0: every save reserves its slots.
         copy_threads: threads that copy a batch of payloads into and out of shared memory
             (kvtier.memcopy.copy_many_threads: batches from 8 MiB on are shared out; one core does
-            not reach the memory's bandwidth). None (default): the CPUs this process may use, at
-            most 4. 1: the calling thread alone.
+            not reach the memory's bandwidth). None (default): the CPUs this process may use (its
+            affinity and its cgroup's CPU quota), at most 4. 1: the calling thread alone.
     """
 
     token: str | None = field(default=None, repr=False)

@@ -197,6 +197,36 @@ def test_shares_are_even_in_order_and_cut_at_aligned_offsets() -> None:
         assert (pair, off) == (len(sizes) - 1, sizes[-1])
 
 
+@pytest.mark.parametrize("cgroup, files, quota", [
+    ("0::/kubepods/pod1\n", {"kubepods/pod1/cpu.max": "150000 100000\n"}, 1.5),  # v2
+    ("0::/\n", {"cpu.max": "max 100000\n"}, None),  # v2, no limit
+    ("4:memory:/x\n3:cpu,cpuacct:/docker/c1\n",  # v1, the cpu controller mounted with cpuacct
+     {"cpu,cpuacct/docker/c1/cpu.cfs_quota_us": "200000\n", "cpu,cpuacct/docker/c1/cpu.cfs_period_us": "100000\n"}, 2.0),
+    ("1:cpu:/\n", {"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),  # v1, no limit
+    ("0::/gone\n", {}, None),  # unreadable: no quota known
+    ("0::/\n", {"cpu.max": "garbage\n"}, None),
+])
+def test_cgroup_cpu_quota_reads_v1_and_v2(tmp_path, cgroup: str, files: dict[str, str], quota: float | None) -> None:
+    (tmp_path / "self-cgroup").write_text(cgroup)
+    for name, text in files.items():
+        path = tmp_path / "fs" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    assert memcopy.cgroup_cpu_quota(str(tmp_path / "self-cgroup"), str(tmp_path / "fs")) == quota
+
+
+def test_default_copy_threads_follow_affinity_and_quota(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpus = len(os.sched_getaffinity(0))
+    monkeypatch.setattr(memcopy, "cgroup_cpu_quota", lambda: None)
+    assert memcopy.default_copy_threads() == max(1, min(4, cpus))
+    monkeypatch.setattr(memcopy, "cgroup_cpu_quota", lambda: 1.5)  # a container of 1.5 CPUs
+    assert memcopy.default_copy_threads() == 1
+    monkeypatch.setattr(memcopy, "cgroup_cpu_quota", lambda: 0.5)
+    assert memcopy.default_copy_threads() == 1
+    monkeypatch.setattr(memcopy, "cgroup_cpu_quota", lambda: 64.0)
+    assert memcopy.default_copy_threads() == max(1, min(4, cpus))
+
+
 def test_copy_many_threads_works_again_in_a_forked_child() -> None:
     big = memcopy.PARALLEL_MIN_BYTES
     src = _random(big, 7)

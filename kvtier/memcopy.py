@@ -98,10 +98,41 @@ SPLIT_ALIGN = 4096
 pair's alignment and its destination-source distance mod 4 KiB, which choose the C routine's loop."""
 
 
+COPY_THREADS_ENV = "KVTIER_COPY_THREADS"
+"""Environment variable that sets the default copy threads of every client of the process (the
+engines' connectors included, which take no client options)."""
+
+
+def env_copy_threads() -> int | None:
+    """The copy threads :data:`COPY_THREADS_ENV` sets, or None when it is unset or empty.
+
+    Raises:
+        ValueError: it is not an integer in 1..MAX_COPY_THREADS.
+    """
+    text = os.environ.get(COPY_THREADS_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        threads = int(text)
+    except ValueError:
+        threads = 0
+    if not 1 <= threads <= MAX_COPY_THREADS:
+        raise ValueError(f"{COPY_THREADS_ENV} must be an integer in 1..{MAX_COPY_THREADS}, got {text!r}")
+    return threads
+
+
 def default_copy_threads() -> int:
-    """Threads a client copies with by default: the CPUs this process may run on (its affinity,
-    and its cgroup's CPU quota: a container limited to 2 CPUs of a 64-core host gets 2), at most
-    4 (enough for one socket's memory channels from the cores of a busy engine host)."""
+    """Threads a client copies with by default: :data:`COPY_THREADS_ENV` when set; else the CPUs
+    this process may run on (its affinity, and its cgroup's CPU quota: a container limited to 2
+    CPUs of a 64-core host gets 2), at most 4 (enough for one socket's memory channels from the
+    cores of a busy engine host).
+
+    Raises:
+        ValueError: :data:`COPY_THREADS_ENV` is malformed.
+    """
+    configured = env_copy_threads()
+    if configured is not None:
+        return configured
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
@@ -245,6 +276,6 @@ def copy_many_threads(dsts: Sequence[Any], srcs: Sequence[Any], threads: int) ->
             v.release()
 
 
-__all__ = ["MAX_COPY_THREADS", "NATIVE", "NONTEMPORAL", "NONTEMPORAL_MIN_BYTES", "PARALLEL_MIN_BYTES",
+__all__ = ["COPY_THREADS_ENV", "MAX_COPY_THREADS", "NATIVE", "NONTEMPORAL", "NONTEMPORAL_MIN_BYTES", "PARALLEL_MIN_BYTES",
            "cgroup_cpu_quota", "copy", "copy_many", "copy_many_plain", "copy_many_threads", "copy_plain",
-           "default_copy_threads"]
+           "default_copy_threads", "env_copy_threads"]

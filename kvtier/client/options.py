@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from kvtier_protocol.errors import InvalidRequest
 from kvtier_protocol.wire_checks import DEFAULT_LEASE_MS, MAX_TEXT_LEN
 
-from kvtier.memcopy import MAX_COPY_THREADS, default_copy_threads
+from kvtier.memcopy import MAX_COPY_THREADS, default_copy_threads, env_copy_threads
 
 
 VERIFY_MODES = ("auto", "always")
@@ -70,8 +70,9 @@ class ClientOptions:
             connection ends, or half their lease passed. 0: every save reserves its slots.
         copy_threads: threads that copy a batch of payloads into and out of shared memory
             (kvtier.memcopy.copy_many_threads: batches from 8 MiB on are shared out; one core does
-            not reach the memory's bandwidth). None (default): the CPUs this process may use (its
-            affinity and its cgroup's CPU quota), at most 4. 1: the calling thread alone.
+            not reach the memory's bandwidth). None (default): ``$KVTIER_COPY_THREADS`` if set,
+            else the CPUs this process may use (its affinity and its cgroup's CPU quota), at most
+            4. 1: the calling thread alone.
     """
 
     token: str | None = field(default=None, repr=False)
@@ -116,6 +117,11 @@ class ClientOptions:
                                               or not 1 <= self.copy_threads <= MAX_COPY_THREADS):
             raise InvalidRequest(f"client option copy_threads must be an integer in 1..{MAX_COPY_THREADS} "
                                  f"or None, got {self.copy_threads!r}")
+        if self.copy_threads is None:
+            try:
+                env_copy_threads()  # a malformed setting fails here, not at the first save
+            except ValueError as e:
+                raise InvalidRequest(str(e)) from None
         if type(self.write_behind) is not bool:
             raise InvalidRequest(f"client option write_behind must be a bool, got {self.write_behind!r}")
         if type(self.lease_ms) is not int or self.lease_ms < 1:
@@ -123,5 +129,15 @@ class ClientOptions:
 
     @property
     def resolved_copy_threads(self) -> int:
-        """``copy_threads``, or the default for this process when None."""
-        return self.copy_threads if self.copy_threads is not None else default_copy_threads()
+        """``copy_threads``, or the default for this process when None (kvtier.memcopy:
+        ``KVTIER_COPY_THREADS``, else its CPUs, at most 4).
+
+        Raises:
+            InvalidRequest: ``KVTIER_COPY_THREADS`` is malformed.
+        """
+        if self.copy_threads is not None:
+            return self.copy_threads
+        try:
+            return default_copy_threads()
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None

@@ -216,6 +216,7 @@ def test_cgroup_cpu_quota_reads_v1_and_v2(tmp_path, cgroup: str, files: dict[str
 
 
 def test_default_copy_threads_follow_affinity_and_quota(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(memcopy.COPY_THREADS_ENV, raising=False)
     cpus = len(os.sched_getaffinity(0))
     monkeypatch.setattr(memcopy, "cgroup_cpu_quota", lambda: None)
     assert memcopy.default_copy_threads() == max(1, min(4, cpus))
@@ -225,6 +226,19 @@ def test_default_copy_threads_follow_affinity_and_quota(monkeypatch: pytest.Monk
     assert memcopy.default_copy_threads() == 1
     monkeypatch.setattr(memcopy, "cgroup_cpu_quota", lambda: 64.0)
     assert memcopy.default_copy_threads() == max(1, min(4, cpus))
+
+
+def test_the_environment_sets_the_default_copy_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(memcopy, "cgroup_cpu_quota", lambda: 1.0)  # the variable wins over the quota
+    for text, threads in (("3", 3), (" 7 ", 7), ("1", 1), (str(memcopy.MAX_COPY_THREADS), memcopy.MAX_COPY_THREADS)):
+        monkeypatch.setenv(memcopy.COPY_THREADS_ENV, text)
+        assert memcopy.env_copy_threads() == threads and memcopy.default_copy_threads() == threads
+    for text in ("0", "-2", "x", "2.5", str(memcopy.MAX_COPY_THREADS + 1)):
+        monkeypatch.setenv(memcopy.COPY_THREADS_ENV, text)
+        with pytest.raises(ValueError, match="KVTIER_COPY_THREADS"):
+            memcopy.default_copy_threads()
+    monkeypatch.setenv(memcopy.COPY_THREADS_ENV, "")
+    assert memcopy.env_copy_threads() is None and memcopy.default_copy_threads() == 1
 
 
 def test_copy_many_threads_works_again_in_a_forked_child() -> None:

@@ -29,7 +29,15 @@ def test_rejected(kwargs: dict) -> None:
         ClientOptions(**kwargs)
 
 
-def test_copy_threads_default_to_this_process_cpus() -> None:
+def test_copy_threads_default_to_the_environment_or_this_process_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVTIER_COPY_THREADS", raising=False)
     cpus = len(os.sched_getaffinity(0))
     assert ClientOptions().resolved_copy_threads == max(1, min(4, cpus))
     assert ClientOptions(copy_threads=3).resolved_copy_threads == 3
+    monkeypatch.setenv("KVTIER_COPY_THREADS", "5")
+    assert ClientOptions().resolved_copy_threads == 5
+    assert ClientOptions(copy_threads=2).resolved_copy_threads == 2  # an explicit option wins
+    monkeypatch.setenv("KVTIER_COPY_THREADS", "many")
+    with pytest.raises(InvalidRequest, match="KVTIER_COPY_THREADS"):
+        ClientOptions()  # at construction, not at the first save
+    assert ClientOptions(copy_threads=1).resolved_copy_threads == 1

@@ -230,6 +230,19 @@ def _shares(dsts: Sequence[memoryview], srcs: Sequence[memoryview], total: int,
     return out
 
 
+def _nbytes(bufs: Sequence[Any]) -> int:
+    """Bytes of the buffers, read without a new view where they are views already (the client's
+    are): a small batch then reaches :func:`copy_many` with no Python per pair."""
+    total = 0
+    for b in bufs:
+        if type(b) is memoryview:
+            total += b.nbytes
+        else:
+            with memoryview(b) as v:
+                total += v.nbytes
+    return total
+
+
 def copy_many_threads(dsts: Sequence[Any], srcs: Sequence[Any], threads: int) -> None:
     """:func:`copy_many` with the bytes shared out over up to ``threads`` threads (the caller's
     and ``threads - 1`` helpers), from PARALLEL_MIN_BYTES of batch on; below that, or with one
@@ -242,8 +255,8 @@ def copy_many_threads(dsts: Sequence[Any], srcs: Sequence[Any], threads: int) ->
     """
     if type(threads) is not int or not 1 <= threads <= MAX_COPY_THREADS:
         raise ValueError(f"copy threads must be an integer in 1..{MAX_COPY_THREADS}, got {threads!r}")
-    if threads == 1 or len(dsts) != len(srcs):
-        copy_many(dsts, srcs)  # also raises the count mismatch
+    if threads == 1 or len(dsts) != len(srcs) or _nbytes(srcs) < PARALLEL_MIN_BYTES:
+        copy_many(dsts, srcs)  # checks every pair itself (in C), and raises the count mismatch
         return
     views: list[memoryview] = []
     try:
@@ -256,11 +269,7 @@ def copy_many_threads(dsts: Sequence[Any], srcs: Sequence[Any], threads: int) ->
             bd.append(dv.cast("B") if dv.format != "B" or dv.ndim != 1 else dv)
             bs.append(sv.cast("B") if sv.format != "B" or sv.ndim != 1 else sv)
         views += bd + bs
-        total = sum(v.nbytes for v in bd)
-        if total < PARALLEL_MIN_BYTES:
-            copy_many(bd, bs)
-            return
-        shares = _shares(bd, bs, total, threads)
+        shares = _shares(bd, bs, sum(v.nbytes for v in bd), threads)
         for share in shares:
             views += share[0] + share[1]
         executor = _POOL.executor(threads - 1)

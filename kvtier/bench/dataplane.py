@@ -53,7 +53,7 @@ import torch
 from kvtier import memcopy
 from kvtier.bench.daemon import BenchDaemon
 from kvtier.bench.report import (Row, SuiteResult, Timer, alternate, gbps, ping_latency_rows, progress,
-                                 throughput_row)
+                                 threads_label, throughput_row)
 from kvtier.client import Client
 from kvtier.store.scrub import MAX_DELAY_S
 from kvtier_protocol.header import BlockHeader, Section, decode_header, encode_header, payload_checksum
@@ -226,7 +226,7 @@ def _block_rows(shm: Client, behind: Client, tcp: Client, nbytes: int, ws: int, 
             return gbps(n * nbytes, t.seconds)
         return once
 
-    plural = f"{threads} thread{'s' if threads > 1 else ''}"
+    plural = threads_label(threads)
     base_name = f"memcpy ({'kvtier.memcopy, non-temporal' if memcopy.NONTEMPORAL else 'plain'}, {plural})"
     torch_name = f"torch copy_ ({plural})"
     copy_kv, copy_base = alternate(memcpy, torch_copy, repetitions=reps)

@@ -147,6 +147,11 @@ def ping_latency_rows(case: str, fn: Callable[[], object], ping: Callable[[], ob
             for metric, by in (("p50", p50s), ("p99", p99s))]
 
 
+def threads_label(threads: int) -> str:
+    """``"1 thread"``, ``"2 threads"``: for baseline names and progress lines."""
+    return f"{threads} thread{'s' if threads != 1 else ''}"
+
+
 def gbps(nbytes: int, seconds: float) -> float:
     """Decimal gigabytes per second."""
     return nbytes / seconds / 1e9 if seconds > 0 else math.inf

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from kvtier import memcopy
-from kvtier.bench.report import Row, SuiteResult, Timer, alternate, gbps, progress, throughput_row
+from kvtier.bench.report import Row, SuiteResult, Timer, alternate, gbps, progress, threads_label, throughput_row
 from kvtier.bench.store_blocks import MIB, NS, batches, block_header, chain_hash, get_blocks, put_blocks, random_blocks
 from kvtier.bench.store_disk import disk_rows
 from kvtier.store.config import StoreConfig
@@ -79,7 +79,7 @@ def _host_rows(loop: asyncio.AbstractEventLoop, nbytes: int, ws: int, batch: int
     n = max(2, ws // nbytes)
     mib = nbytes // MIB
     progress(f"store: host {mib} MiB blocks, {n} in rotation ({n * nbytes // MIB} MiB per side), "
-             f"{threads} copy thread{'s' if threads > 1 else ''}")
+             f"copies on {threads_label(threads)}")
     srcs = random_blocks(n, nbytes, seed=mib)
     dsts = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(n)]
     src_views = [s.numpy() for s in srcs]
@@ -120,7 +120,7 @@ def _host_rows(loop: asyncio.AbstractEventLoop, nbytes: int, ws: int, batch: int
             assert got == n, f"bench get found {got} of {n} blocks"
             return gbps(n * nbytes, t.seconds)
 
-        own = f"its own copy (kvtier.memcopy, {threads} thread{'s' if threads > 1 else ''})"
+        own = f"its own copy (kvtier.memcopy, {threads_label(threads)})"
         rows = []
         for name, fn in (("put", put), ("get", get)):
             if name == "get":

@@ -108,12 +108,13 @@ static int overlaps(const char *a, const char *b, size_t n) {
     return (a < b + n) && (b < a + n);
 }
 
-/* One copy of `n` bytes between two held buffers, by size and overlap (see the file comment). */
-static void copy_one(char *d, const char *s, size_t n) {
+/* One copy of `n` bytes between two held buffers, by size and overlap (see the file comment);
+ * `streaming` 0: the C library's memcpy whatever the size (the benchmarks' reference). */
+static void copy_one(char *d, const char *s, size_t n, int streaming) {
     if (overlaps(d, s, n)) {
         memmove(d, s, n);
 #if KVTIER_HAVE_NT
-    } else if (n >= (size_t)NONTEMPORAL_MIN_BYTES) {
+    } else if (streaming && n >= (size_t)NONTEMPORAL_MIN_BYTES) {
         copy_nontemporal(d, s, n);
 #endif
     } else {
@@ -140,26 +141,29 @@ static int get_pair(PyObject *dst_obj, PyObject *src_obj, Py_buffer *dst, Py_buf
     return 0;
 }
 
-static void copy_all(const Py_buffer *pairs, Py_ssize_t count) {
+static void copy_all(const Py_buffer *pairs, Py_ssize_t count, int streaming) {
     for (Py_ssize_t i = 0; i < count; i++) {
-        copy_one((char *)pairs[2 * i].buf, (const char *)pairs[2 * i + 1].buf, (size_t)pairs[2 * i].len);
+        copy_one((char *)pairs[2 * i].buf, (const char *)pairs[2 * i + 1].buf, (size_t)pairs[2 * i].len,
+                 streaming);
     }
 }
 
 /* copy_one of each exported pair (pairs[2i] the destination, pairs[2i + 1] its source), without the
- * GIL when any of them is large enough to stream: the buffers stay exported meanwhile, so none can
- * be resized or freed under the copy. Smaller copies keep the GIL: releasing it would cost more. */
-static void copy_pairs(const Py_buffer *pairs, Py_ssize_t count) {
+ * GIL when any of them is at least NONTEMPORAL_MIN_BYTES: the buffers stay exported meanwhile, so
+ * none can be resized or freed under the copy. Smaller copies keep the GIL: releasing it would cost
+ * more. (Without streaming stores the large ones release it too, so that the memcpy reference of
+ * the benchmarks runs on several threads exactly as the streaming copy does.) */
+static void copy_pairs(const Py_buffer *pairs, Py_ssize_t count, int streaming) {
     int large = 0;
     for (Py_ssize_t i = 0; i < count; i++) {
         large |= pairs[2 * i].len >= NONTEMPORAL_MIN_BYTES;
     }
-    if (KVTIER_HAVE_NT && large) {
+    if (large && (KVTIER_HAVE_NT || !streaming)) {
         Py_BEGIN_ALLOW_THREADS
-        copy_all(pairs, count);
+        copy_all(pairs, count, streaming);
         Py_END_ALLOW_THREADS
     } else {
-        copy_all(pairs, count);
+        copy_all(pairs, count, streaming);
     }
 }
 
@@ -173,7 +177,7 @@ static PyObject *memcopy_copy(PyObject *module, PyObject *const *args, Py_ssize_
     if (get_pair(args[0], args[1], &pair[0], &pair[1], "copy") < 0) {
         return NULL;
     }
-    copy_pairs(pair, 1);
+    copy_pairs(pair, 1, 1);
     PyBuffer_Release(&pair[1]);
     PyBuffer_Release(&pair[0]);
     Py_RETURN_NONE;
@@ -186,8 +190,13 @@ static PyObject *memcopy_copy(PyObject *module, PyObject *const *args, Py_ssize_
  * ~3x what it costs warm. */
 static PyObject *memcopy_copy_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
-    if (nargs != 2) {
-        PyErr_Format(PyExc_TypeError, "copy_many(dsts, srcs) takes 2 arguments, got %zd", nargs);
+    if (nargs != 2 && nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "copy_many(dsts, srcs, streaming=True) takes 2 or 3 arguments, got %zd",
+                     nargs);
+        return NULL;
+    }
+    int streaming = nargs == 3 ? PyObject_IsTrue(args[2]) : 1;
+    if (streaming < 0) {
         return NULL;
     }
     PyObject *dsts = PySequence_Fast(args[0], "copy_many: dsts must be a sequence of buffers");
@@ -220,7 +229,7 @@ static PyObject *memcopy_copy_many(PyObject *module, PyObject *const *args, Py_s
             goto done;
         }
     }
-    copy_pairs(bufs, count);
+    copy_pairs(bufs, count, streaming);
     result = Py_NewRef(Py_None);
 done:
     for (Py_ssize_t i = 0; i < held; i++) {
@@ -239,9 +248,10 @@ static PyMethodDef memcopy_methods[] = {
      "Copy the bytes of src into dst (both C-contiguous, dst writable, equal byte lengths).\n"
      "Non-temporal stores, GIL released, from NONTEMPORAL_MIN_BYTES where NONTEMPORAL is True."},
     {"copy_many", (PyCFunction)(void (*)(void))memcopy_copy_many, METH_FASTCALL,
-     "copy_many(dsts, srcs, /)\n--\n\n"
+     "copy_many(dsts, srcs, streaming=True, /)\n--\n\n"
      "copy(dsts[i], srcs[i]) for every i, in one call: every pair is checked before any byte is\n"
-     "copied, and the GIL is released once for all of them."},
+     "copied, and the GIL is released once for all of them. streaming false: the C library's\n"
+     "memcpy for every size (the benchmarks' reference), the GIL released all the same."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -9,18 +9,21 @@ from ``NONTEMPORAL_MIN_BYTES`` on x86-64 it copies with non-temporal stores and 
 caches to the code that runs next. Otherwise it is CPython's memoryview assignment (``memcpy``).
 
 One core does not reach the memory's bandwidth (on the development VM one streams ~7 GB/s, two
-~12), so :func:`copy_many_threads` splits a large batch over a few threads, each running
-:func:`copy_many` without the GIL on its share: what the client does with every save and load.
+~12), so :func:`copy_many_threads` cuts a large batch into runs of ~1 MiB that a few threads take
+in turn, each running :func:`copy_many` without the GIL: what the client does with every save and
+load.
 
-``kvtier bench dataplane`` times these same functions as its baseline, so its ratios measure what
-kvtier adds to the copy, whichever copy runs. Torch-free, stdlib only.
+``kvtier bench dataplane`` times these same functions as its strict baseline, so those ratios
+measure what kvtier adds to the copy, whichever copy runs; :func:`copy_many_memcpy` (glibc's
+memcpy on the same threads and runs) is its second, ordinary one. Torch-free, stdlib only.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
@@ -89,12 +92,31 @@ copy_many: Callable[[Sequence[Any], Sequence[Any]], None] = (_memcopy.copy_many 
 Every pair is checked before any byte moves, so an error copies nothing; the GIL is released once
 for the whole batch. Raises what :func:`copy` raises, and ValueError if the counts differ."""
 
+
+
+def copy_many_memcpy(dsts: Sequence[Any], srcs: Sequence[Any]) -> None:
+    """:func:`copy_many` with the C library's ``memcpy`` for every size, no streaming stores: the
+    reference ``kvtier bench`` sets the client's copies beside. Large pairs release the GIL as in
+    :func:`copy_many`, so it runs on several threads alike. (Without the C routine it is
+    :func:`copy_many_plain`, under the GIL.)"""
+    if _memcopy is None:
+        copy_many_plain(dsts, srcs)
+    else:
+        _memcopy.copy_many(dsts, srcs, False)
+
+
 PARALLEL_MIN_BYTES = 8 << 20
 """A batch smaller than this is copied on the calling thread alone: handing shares to other
 threads costs tens of µs, a few % of a 1 MiB copy but nothing next to a multi-MiB one."""
 MAX_COPY_THREADS = 16
+RUN_BYTES = 1 << 20
+"""A batch shared out is cut into runs of about this many bytes, and each thread takes the next run
+not yet taken until none is left (rather than one fixed share each): a thread the scheduler preempts
+(on a busy host, for the daemon its request just woke) then holds the batch up by the rest of one
+run (~0.15 ms), not by its whole share, while the others copy what it would have."""
+MAX_RUNS = 1024
 SPLIT_ALIGN = 4096
-"""Shares are cut inside a pair at multiples of this (from the pair's start): both halves keep the
+"""Runs are cut inside a pair at multiples of this (from the pair's start): both halves keep the
 pair's alignment and its destination-source distance mod 4 KiB, which choose the C routine's loop."""
 
 
@@ -202,8 +224,8 @@ def _shares(dsts: Sequence[memoryview], srcs: Sequence[memoryview], total: int,
             parts: int) -> list[tuple[list[memoryview], list[memoryview]]]:
     """The byte views of the pairs cut into at most ``parts`` runs of about ``total / parts``
     bytes, in order; a pair crossing a boundary is cut at a multiple of SPLIT_ALIGN from its start.
-    (Each run is at least PARALLEL_MIN_BYTES / MAX_COPY_THREADS >> SPLIT_ALIGN bytes, so a cut
-    always lands inside the run being filled once that run is empty.)"""
+    (Each run is at least PARALLEL_MIN_BYTES / MAX_RUNS >> SPLIT_ALIGN bytes, so a cut always
+    lands inside the run being filled once that run is empty.)"""
     target = -(-total // parts)
     out: list[tuple[list[memoryview], list[memoryview]]] = []
     run_d: list[memoryview] = []
@@ -243,20 +265,35 @@ def _nbytes(bufs: Sequence[Any]) -> int:
     return total
 
 
-def copy_many_threads(dsts: Sequence[Any], srcs: Sequence[Any], threads: int) -> None:
+def _drain(runs: Sequence[tuple[list[memoryview], list[memoryview]]], turns: Iterator[int],
+           copy_run: Callable[[Sequence[Any], Sequence[Any]], None]) -> None:
+    """``copy_run`` of ``runs[i]`` for each ``i`` drawn from ``turns`` (shared by every thread of
+    the batch: ``next`` on an ``itertools.count`` is atomic under the GIL) until all are taken."""
+    for i in turns:
+        if i >= len(runs):
+            return
+        copy_run(*runs[i])
+
+
+def copy_many_threads(dsts: Sequence[Any], srcs: Sequence[Any], threads: int, *, streaming: bool = True) -> None:
     """:func:`copy_many` with the bytes shared out over up to ``threads`` threads (the caller's
     and ``threads - 1`` helpers), from PARALLEL_MIN_BYTES of batch on; below that, or with one
-    thread, it is :func:`copy_many`. Every pair is checked before any byte moves, so an error
-    copies nothing. The pairs must not overlap one another (each may overlap itself: a memmove),
-    since shares are copied at the same time.
+    thread, it is :func:`copy_many`. The batch is cut into runs of about RUN_BYTES, which the
+    threads take in turn, so a preempted or late thread leaves its runs to the others (and a
+    helper that has not started once they are all taken, the pool being busy with another
+    caller's batch, is not waited for). ``streaming`` False: each run is :func:`copy_many_memcpy`
+    (the benchmarks' reference, on the same threads and runs). Every pair
+    is checked before any byte moves, so an error copies nothing. The pairs must not overlap one
+    another (each may overlap itself: a memmove), since runs are copied at the same time.
 
     Raises:
         ValueError: ``threads`` is not in 1..MAX_COPY_THREADS; and what :func:`copy_many` raises.
     """
     if type(threads) is not int or not 1 <= threads <= MAX_COPY_THREADS:
         raise ValueError(f"copy threads must be an integer in 1..{MAX_COPY_THREADS}, got {threads!r}")
+    copy_run = copy_many if streaming else copy_many_memcpy
     if threads == 1 or len(dsts) != len(srcs) or _nbytes(srcs) < PARALLEL_MIN_BYTES:
-        copy_many(dsts, srcs)  # checks every pair itself (in C), and raises the count mismatch
+        copy_run(dsts, srcs)  # checks every pair itself (in C), and raises the count mismatch
         return
     views: list[memoryview] = []
     try:
@@ -269,22 +306,30 @@ def copy_many_threads(dsts: Sequence[Any], srcs: Sequence[Any], threads: int) ->
             bd.append(dv.cast("B") if dv.format != "B" or dv.ndim != 1 else dv)
             bs.append(sv.cast("B") if sv.format != "B" or sv.ndim != 1 else sv)
         views += bd + bs
-        shares = _shares(bd, bs, sum(v.nbytes for v in bd), threads)
-        for share in shares:
-            views += share[0] + share[1]
+        total = sum(v.nbytes for v in bd)
+        runs = _shares(bd, bs, total, max(threads, min(MAX_RUNS, total // RUN_BYTES)))
+        for run in runs:
+            views += run[0] + run[1]
+        turns = itertools.count()
         executor = _POOL.executor(threads - 1)
-        futures: list[Future[None]] = [executor.submit(copy_many, *share) for share in shares[1:]]
+        futures: list[Future[None]] = [executor.submit(_drain, runs, turns, copy_run)
+                                       for _ in range(min(threads, len(runs)) - 1)]
         try:
-            copy_many(*shares[0])
+            _drain(runs, turns, copy_run)
         finally:
-            wait(futures)  # every share done before any view is released, also after an error
+            # A helper still queued (the pool busy with another caller's batch) is not waited
+            # for: the runs are all taken. Every run taken is done before a view is released,
+            # also after an error.
+            wait([f for f in futures if not f.cancel()])
         for f in futures:
-            f.result()  # raises a helper's error (none is expected: every pair was checked)
+            if not f.cancelled():
+                f.result()  # raises a helper's error (none is expected: every pair was checked)
     finally:
         for v in reversed(views):
             v.release()
 
 
 __all__ = ["COPY_THREADS_ENV", "MAX_COPY_THREADS", "NATIVE", "NONTEMPORAL", "NONTEMPORAL_MIN_BYTES", "PARALLEL_MIN_BYTES",
-           "cgroup_cpu_quota", "copy", "copy_many", "copy_many_plain", "copy_many_threads", "copy_plain",
+           "RUN_BYTES",
+           "cgroup_cpu_quota", "copy", "copy_many", "copy_many_memcpy", "copy_many_plain", "copy_many_threads", "copy_plain",
            "default_copy_threads", "env_copy_threads"]

@@ -7,6 +7,7 @@ import os
 import platform
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -15,7 +16,8 @@ from kvtier import memcopy
 from tests.kvtier.client.daemonkit import ENV, ROOT
 
 COPIES = [pytest.param(memcopy.copy, id="copy"), pytest.param(memcopy.copy_plain, id="copy_plain")]
-MANY = [pytest.param(memcopy.copy_many, id="copy_many"), pytest.param(memcopy.copy_many_plain, id="copy_many_plain")]
+MANY = [pytest.param(memcopy.copy_many, id="copy_many"), pytest.param(memcopy.copy_many_plain, id="copy_many_plain"),
+        pytest.param(memcopy.copy_many_memcpy, id="copy_many_memcpy")]
 NT_MIN = memcopy.NONTEMPORAL_MIN_BYTES or 256 * 1024
 
 
@@ -126,8 +128,9 @@ def test_copy_many_checks_every_pair_before_it_copies(copy_many) -> None:
         copy_many(1, [])
 
 
+@pytest.mark.parametrize("streaming", [True, False])
 @pytest.mark.parametrize("threads", [2, 3, 4, memcopy.MAX_COPY_THREADS])
-def test_copy_many_threads_copies_every_pair(threads: int) -> None:
+def test_copy_many_threads_copies_every_pair(threads: int, streaming: bool) -> None:
     # Above PARALLEL_MIN_BYTES: the shares cut pairs apart, at odd offsets in shared memory.
     sizes = [5, 3 * (1 << 20) + 7, 4096, NT_MIN + 3, 6 * (1 << 20) + 1, 0, 1 << 20]
     assert sum(sizes) >= memcopy.PARALLEL_MIN_BYTES
@@ -139,7 +142,7 @@ def test_copy_many_threads_copies_every_pair(threads: int) -> None:
             for n in sizes:
                 dsts.append(view[off + 17:off + 17 + n])  # guard bytes between
                 off += n + 64
-            memcopy.copy_many_threads(dsts, srcs, threads)
+            memcopy.copy_many_threads(dsts, srcs, threads, streaming=streaming)
             assert [bytes(d) for d in dsts] == srcs
             off = 0
             for n in sizes:
@@ -195,6 +198,41 @@ def test_shares_are_even_in_order_and_cut_at_aligned_offsets() -> None:
             assert d.obj is dsts[pair].obj and s.obj is srcs[pair].obj
             off += d.nbytes
         assert (pair, off) == (len(sizes) - 1, sizes[-1])
+
+
+def test_the_runs_of_a_batch_are_about_run_bytes_each() -> None:
+    sizes = [2 << 20] * 31 + [(1 << 20) + 4096 * 3 + 17]
+    srcs = [memoryview(bytearray(n)) for n in sizes]
+    dsts = [memoryview(bytearray(n)) for n in sizes]
+    total = sum(sizes)
+    parts = max(2, min(memcopy.MAX_RUNS, total // memcopy.RUN_BYTES))
+    runs = memcopy._shares(dsts, srcs, total, parts)
+    assert len(runs) == parts == total // memcopy.RUN_BYTES
+    assert all(abs(sum(d.nbytes for d in ds) - total / parts) < 4096 + 8 for ds, _ in runs[:-1])
+    assert sum(d.nbytes for ds, _ in runs for d in ds) == total
+
+
+def test_a_batch_does_not_wait_for_a_helper_that_never_starts() -> None:
+    """The pool's helpers all busy (another caller's batch, here a blocked task): the caller takes
+    every run itself and returns, rather than wait for a helper to start."""
+    big = 4 * memcopy.PARALLEL_MIN_BYTES
+    src = _random(big, 11)
+    dst = bytearray(big)
+    release = threading.Event()
+    pool = memcopy._POOL.executor(1)
+    busy = [pool.submit(release.wait, 60) for _ in range(memcopy._POOL._workers)]  # every helper
+    try:
+        done = threading.Event()
+        caller = threading.Thread(target=lambda: (memcopy.copy_many_threads([dst], [src], 2), done.set()))
+        caller.start()
+        finished = done.wait(30)
+        assert finished, "copy_many_threads waited for a helper that could not start"
+        assert dst == src
+    finally:
+        release.set()
+        for f in busy:
+            f.result(10)
+        caller.join(30)
 
 
 @pytest.mark.parametrize("cgroup, files, quota", [

@@ -21,14 +21,18 @@ Rows:
     rotating over the working set exactly as the baseline's do. The gets start once the daemon has checked the stored blocks (it does
     so within ``kvtier.store.scrub.MAX_DELAY_S`` of a save), as a later load of a saved prefix
     finds them: the copy out of shared memory is then not hashed again by the client.
-  * Baseline of all four: ``kvtier.memcopy.copy_many_threads`` of the same bytes, batch by batch
-    on as many threads as the client copies with (``--copy-threads``; the client's default: the
-    CPUs of this process, at most 4): the very copy the client makes into and out of shared memory
-    (non-temporal stores where the C routine is built; a plain memcpy otherwise), so the ratio is
-    what kvtier adds to its own copy. Sources and destinations of both sides rotate over
-    ``--working-set-mib`` (default 256) so neither side measures the CPU cache. Records (header +
-    payload, built with kvtier_protocol.header on random bytes) are built once, before anything
-    is timed.
+  * Two baselines for each of the four, timed in turn with it (every repetition runs all three):
+    - ``kvtier.memcopy.copy_many_threads`` of the same bytes, batch by batch on as many threads
+      as the client copies with (``--copy-threads``; the client's default: the CPUs of this
+      process, at most 4): the very copy the client makes into and out of shared memory
+      (non-temporal stores where the C routine is built; a plain memcpy otherwise), so the
+      ratio is what kvtier adds to its own copy. The stricter of the two.
+    - ``memcpy (glibc, N threads)``: the same function, threads and runs with glibc's ``memcpy``
+      as the copy of each run (``streaming=False``): the bytes moved the ordinary way, the
+      memcpy of the data plane's speed target (shared-memory put and get ≥ 0.85× memcpy).
+    Sources and destinations of every side rotate over ``--working-set-mib`` (default 256) so none
+    measures the CPU cache. Records (header + payload, built with kvtier_protocol.header on
+    random bytes) are built once, before anything is timed.
   * ``memcpy ...``: that copy next to a torch ``copy_`` of the same bytes on the same threads
     (torch's copy is as fast as glibc's memcpy here): how much faster the client's copy is than
     the usual one.
@@ -52,8 +56,8 @@ import torch
 
 from kvtier import memcopy
 from kvtier.bench.daemon import BenchDaemon
-from kvtier.bench.report import (Row, SuiteResult, Timer, alternate, gbps, ping_latency_rows, progress,
-                                 threads_label, throughput_row)
+from kvtier.bench.report import (Row, SuiteResult, Timer, alternate, alternate_many, gbps, ping_latency_rows,
+                                 progress, threads_label, throughput_row)
 from kvtier.client import Client
 from kvtier.store.scrub import MAX_DELAY_S
 from kvtier_protocol.header import BlockHeader, Section, decode_header, encode_header, payload_checksum
@@ -184,11 +188,14 @@ def _block_rows(shm: Client, behind: Client, tcp: Client, nbytes: int, ws: int, 
 
     froms = [[src_views[i] for i in g] for g in groups]
 
-    def memcpy() -> float:  # batch by batch, as the client copies
+    def memcpy(streaming: bool = True) -> float:  # batch by batch, as the client copies
         with Timer() as t:
             for d, s in zip(into, froms):
-                memcopy.copy_many_threads(d, s, threads)
+                memcopy.copy_many_threads(d, s, threads, streaming=streaming)
         return gbps(n * nbytes, t.seconds)
+
+    def glibc() -> float:
+        return memcpy(streaming=False)
 
     def torch_copy() -> float:
         before = torch.get_num_threads()
@@ -229,11 +236,18 @@ def _block_rows(shm: Client, behind: Client, tcp: Client, nbytes: int, ws: int, 
     plural = threads_label(threads)
     base_name = f"memcpy ({'kvtier.memcopy, non-temporal' if memcopy.NONTEMPORAL else 'plain'}, {plural})"
     torch_name = f"torch copy_ ({plural})"
+    glibc_name = f"memcpy (glibc, {plural})"
     copy_kv, copy_base = alternate(memcpy, torch_copy, repetitions=reps)
     rows = [throughput_row(f"memcpy {label} (kvtier.memcopy)", "throughput", "GB/s", copy_kv, torch_name, copy_base)]
+
+    def compare(case: str, fn: Callable[[], float]) -> None:
+        """``fn`` beside the client's own copy and beside glibc's memcpy, all three alternating."""
+        kv, base, plain = alternate_many([fn, memcpy, glibc], repetitions=reps)
+        rows.append(throughput_row(case, "throughput", "GB/s", kv, base_name, base))
+        rows.append(throughput_row(case, "throughput", "GB/s", kv, glibc_name, plain))
+
     for name, client, suffix in (("shm", shm, ""), ("shm", behind, ", write-behind"), ("tcp", tcp, "")):
-        kv, base = alternate(put(client), memcpy, repetitions=reps)
-        rows.append(throughput_row(f"{name} put {label}{suffix}", "throughput", "GB/s", kv, base_name, base))
+        compare(f"{name} put {label}{suffix}", put(client))
     _rekey(records, hashes, b"get")
     for g in groups:  # untimed: what the gets read
         shm.save(NS, [(hashes[i], records[i]) for i in g])
@@ -241,8 +255,7 @@ def _block_rows(shm: Client, behind: Client, tcp: Client, nbytes: int, ws: int, 
     # block once (kvtier.store.scrub, within MAX_DELAY_S) and readers copy without hashing.
     time.sleep(MAX_DELAY_S + 0.5)
     for name, client in (("shm", shm), ("tcp", tcp)):
-        kv, base = alternate(get(client), memcpy, repetitions=reps)
-        rows.append(throughput_row(f"{name} get {label}", "throughput", "GB/s", kv, base_name, base))
+        compare(f"{name} get {label}", get(client))
         loaded = client.load(NS, [hashes[i] for i in groups[0]], degrade=False)
         assert loaded == [bytes(records[i]) for i in groups[0]], f"{name} load returned other bytes"
         for d in dsts:

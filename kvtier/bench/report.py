@@ -89,20 +89,24 @@ def alternate(
 ) -> tuple[Samples, Samples]:
     """Run kvtier and the baseline alternately (ABAB…) after a warm-up, so drift and noise on a
     shared machine hit both alike. Each callable returns one measurement (e.g. GB/s)."""
+    kv, base = alternate_many([kvtier_fn, baseline_fn], repetitions=repetitions, warmup=warmup)
+    return kv, base
+
+
+def alternate_many(fns: Sequence[Callable[[], float]], *, repetitions: int, warmup: int = 1) -> list[Samples]:
+    """:func:`alternate` of several callables (kvtier and more than one baseline): each repetition
+    runs every one once, the order rotating by one each time, so that none always runs first."""
     for _ in range(warmup):
-        kvtier_fn()
-        baseline_fn()
-    kv: list[float] = []
-    base: list[float] = []
+        for fn in fns:
+            fn()
+    out: list[list[float]] = [[] for _ in fns]
+    n = len(fns)
     for i in range(repetitions):
-        # Swap the order every other repetition so neither side always runs "second".
-        if i % 2 == 0:
-            kv.append(kvtier_fn())
-            base.append(baseline_fn())
-        else:
-            base.append(baseline_fn())
-            kv.append(kvtier_fn())
-    return Samples(kv), Samples(base)
+        # With two callables: kvtier first on even repetitions, the baseline first on odd ones.
+        for j in range(n):
+            k = (j + i) % n
+            out[k].append(fns[k]())
+    return [Samples(v) for v in out]
 
 
 def quantile(values: Sequence[float], q: float) -> float:

@@ -21,6 +21,7 @@ from kvtier.bench.report import Row
 from kvtier.cli import main
 
 MEMCPY = f"memcpy ({'kvtier.memcopy, non-temporal' if memcopy.NONTEMPORAL else 'plain'}, 2 threads)"
+GLIBC = "memcpy (glibc, 2 threads)"
 HELP = "daemon data plane: put/get over shared memory and TCP vs memcpy; lookup p50/p99 vs ping"
 
 
@@ -63,9 +64,11 @@ def test_quick_dataplane_bench_writes_json(registered: Path, tmp_path: Path) -> 
             assert row["ratio"] == pytest.approx(row["baseline"] / row["kvtier"])
         else:
             assert (row["metric"], row["unit"]) == ("throughput", "GB/s")
-            # every data-plane row against the client's own copy; that copy against torch's
-            expect = "torch copy_ (2 threads)" if row["case"].startswith("memcpy") else MEMCPY
-            assert row["baseline_name"] == expect
+            # that copy against torch's; every data-plane row against it and against glibc's memcpy
+            if row["case"].startswith("memcpy"):
+                assert row["baseline_name"] == "torch copy_ (2 threads)"
+            else:
+                assert [r["baseline_name"] for r in doc["rows"] if r["case"] == row["case"]] == [MEMCPY, GLIBC]
             assert row["ratio"] == pytest.approx(row["kvtier"] / row["baseline"])
         assert math.isfinite(row["kvtier"]) and row["kvtier"] > 0 and row["baseline"] > 0
         assert row["kvtier_spread"] >= 0 and row["baseline_spread"] >= 0

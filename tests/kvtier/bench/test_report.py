@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from kvtier.bench import report
 from kvtier.bench.report import latencies_ms, quantile
 
 
@@ -20,3 +21,20 @@ def test_latencies_are_one_per_call_in_milliseconds() -> None:
     lat = latencies_ms(lambda: calls.append(1), 7)
     assert len(lat) == 7 == len(calls)
     assert all(0 <= t < 1000 for t in lat)
+
+
+def test_alternate_many_runs_each_once_a_repetition_in_rotating_order() -> None:
+    calls: list[str] = []
+
+    def fn(name: str, value: float):
+        def once() -> float:
+            calls.append(name)
+            return value + len(calls)
+        return once
+
+    a, b, c = report.alternate_many([fn("a", 0), fn("b", 100), fn("c", 200)], repetitions=3, warmup=1)
+    assert calls == ["a", "b", "c",  # the warm-up, not sampled
+                     "a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert a.values == [4, 9, 11] and b.values == [105, 107, 112] and c.values == [206, 208, 210]
+    kv, base = report.alternate(fn("k", 0), fn("p", 0), repetitions=2, warmup=0)
+    assert calls[-4:] == ["k", "p", "p", "k"]  # two callables: kvtier first, then the baseline first

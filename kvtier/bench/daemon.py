@@ -95,6 +95,25 @@ class BenchDaemon:
         """The token the daemon generated into its data dir (needed over TCP)."""
         return (self.work / "token").read_text().strip()
 
+    def cpu_seconds(self) -> float | None:
+        """CPU time the daemon's threads have run so far (Linux ``/proc/PID/task/*/schedstat``,
+        nanosecond resolution; threads that ended are not counted, and the daemon's pools keep
+        theirs); None where it cannot be read."""
+        if self.proc is None:
+            return None
+        total = 0
+        try:
+            tasks = os.listdir(f"/proc/{self.proc.pid}/task")
+        except OSError:
+            return None
+        for tid in tasks:
+            try:
+                with open(f"/proc/{self.proc.pid}/task/{tid}/schedstat") as f:
+                    total += int(f.read().split()[0])
+            except (OSError, ValueError, IndexError):
+                continue  # a thread that ended meanwhile
+        return total / 1e9
+
     def log_tail(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:] if self.log_path.exists() else ""
 

@@ -33,6 +33,11 @@ Rows:
     Sources and destinations of every side rotate over ``--working-set-mib`` (default 256) so none
     measures the CPU cache. Records (header + payload, built with kvtier_protocol.header on
     random bytes) are built once, before anything is timed.
+  * ``..., daemon CPU`` (µs per block, Linux): the CPU time the daemon's threads ran during each
+    of those timed repetitions (``/proc/PID/task/*/schedstat``), per block, beside the time the
+    client's copy of one block takes (the strict baseline's): the share of a core the daemon needs
+    while a client streams blocks. On a host with fewer free cores than copy threads plus one,
+    that time is taken from the copy.
   * ``memcpy ...``: that copy next to a torch ``copy_`` of the same bytes on the same threads
     (torch's copy is as fast as glibc's memcpy here): how much faster the client's copy is than
     the usual one.
@@ -48,7 +53,8 @@ import hashlib
 import random
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -56,8 +62,8 @@ import torch
 
 from kvtier import memcopy
 from kvtier.bench.daemon import BenchDaemon
-from kvtier.bench.report import (Row, SuiteResult, Timer, alternate, alternate_many, gbps, ping_latency_rows,
-                                 progress, threads_label, throughput_row)
+from kvtier.bench.report import (Row, Samples, SuiteResult, Timer, alternate, alternate_many, gbps,
+                                 latency_row, ping_latency_rows, progress, threads_label, throughput_row)
 from kvtier.client import Client
 from kvtier.store.scrub import MAX_DELAY_S
 from kvtier_protocol.header import BlockHeader, Section, decode_header, encode_header, payload_checksum
@@ -123,7 +129,7 @@ def run(args: argparse.Namespace) -> SuiteResult:
                 Client.connect(daemon.tcp, token=daemon.token(), timeout_s=60.0) as tcp:
             assert shm.session is not None and shm.session.shm is not None, "unix socket without segments"
             for nbytes in sizes:
-                result.rows += _block_rows(shm, behind, tcp, nbytes, ws, batch, reps, threads)
+                result.rows += _block_rows(shm, behind, tcp, nbytes, ws, batch, reps, threads, daemon.cpu_seconds)
             result.rows += _lookup_rows(shm, tcp, args.lookup_keys, calls, reps)
     return result
 
@@ -167,8 +173,19 @@ def _batches(n: int, per: int) -> list[range]:
     return [range(i, min(n, i + per)) for i in range(0, n, per)]
 
 
+@contextmanager
+def _daemon_cpu(read: Callable[[], float | None], out: list[float], blocks: int) -> Iterator[None]:
+    """Append to ``out`` the daemon's CPU time per block, in µs, over the ``with`` block (nothing
+    where it cannot be read). Read outside the timed part: each reading costs ~0.1 ms."""
+    before = read()
+    yield
+    after = read()
+    if before is not None and after is not None:
+        out.append((after - before) / blocks * 1e6)
+
+
 def _block_rows(shm: Client, behind: Client, tcp: Client, nbytes: int, ws: int, batch: int, reps: int,
-                threads: int) -> list[Row]:
+                threads: int, daemon_cpu: Callable[[], float | None]) -> list[Row]:
     n = max(2, ws // nbytes)
     label = f"{nbytes / MIB:g}MiB"
     progress(f"dataplane: {label} blocks, {n} in rotation ({n * nbytes / MIB:g} MiB per side)")
@@ -208,11 +225,11 @@ def _block_rows(shm: Client, behind: Client, tcp: Client, nbytes: int, ws: int, 
             torch.set_num_threads(before)
         return gbps(n * nbytes, t.seconds)
 
-    def put(client: Client) -> Callable[[], float]:
+    def put(client: Client, cpu: list[float]) -> Callable[[], float]:
         def once() -> float:
             _rekey(records, hashes, next(rep).to_bytes(4, "little"))  # untimed
             blocks = [[(hashes[i], records[i]) for i in g] for g in groups]
-            with Timer() as t:
+            with _daemon_cpu(daemon_cpu, cpu, n), Timer() as t:
                 for b in blocks:
                     out = client.save(NS, b)
                     assert out == ["stored"] * len(b), f"bench save answered {set(out)}"
@@ -221,12 +238,12 @@ def _block_rows(shm: Client, behind: Client, tcp: Client, nbytes: int, ws: int, 
             return gbps(n * nbytes, t.seconds)
         return once
 
-    def get(client: Client) -> Callable[[], float]:
+    def get(client: Client, cpu: list[float]) -> Callable[[], float]:
         keys = [[hashes[i] for i in g] for g in groups]
 
         def once() -> float:
             got = 0
-            with Timer() as t:
+            with _daemon_cpu(daemon_cpu, cpu, n), Timer() as t:
                 for k, bufs in zip(keys, into):
                     got += len(client.load_into(NS, k, bufs, degrade=False))
             assert got == n, f"bench load found {got} of {n} blocks"
@@ -240,14 +257,21 @@ def _block_rows(shm: Client, behind: Client, tcp: Client, nbytes: int, ws: int, 
     copy_kv, copy_base = alternate(memcpy, torch_copy, repetitions=reps)
     rows = [throughput_row(f"memcpy {label} (kvtier.memcopy)", "throughput", "GB/s", copy_kv, torch_name, copy_base)]
 
-    def compare(case: str, fn: Callable[[], float]) -> None:
-        """``fn`` beside the client's own copy and beside glibc's memcpy, all three alternating."""
-        kv, base, plain = alternate_many([fn, memcpy, glibc], repetitions=reps)
+    def compare(case: str, fn: Callable[[list[float]], Callable[[], float]]) -> None:
+        """``fn`` beside the client's own copy and beside glibc's memcpy, all three alternating;
+        and the daemon's CPU time per block it took, beside the time the client's copy of a block
+        takes (how much of a core the daemon needs while a client streams blocks)."""
+        cpu: list[float] = []
+        kv, base, plain = alternate_many([fn(cpu), memcpy, glibc], repetitions=reps)
         rows.append(throughput_row(case, "throughput", "GB/s", kv, base_name, base))
         rows.append(throughput_row(case, "throughput", "GB/s", kv, glibc_name, plain))
+        if len(cpu) > 1:  # cpu[0]: alternate_many's warm-up
+            copy_us = Samples([nbytes / (g * 1e3) for g in base.values])
+            rows.append(latency_row(f"{case}, daemon CPU", "cpu per block", "us", Samples(cpu[1:]),
+                                    f"the client's copy of a block ({plural})", copy_us))
 
     for name, client, suffix in (("shm", shm, ""), ("shm", behind, ", write-behind"), ("tcp", tcp, "")):
-        compare(f"{name} put {label}{suffix}", put(client))
+        compare(f"{name} put {label}{suffix}", lambda cpu, c=client: put(c, cpu))
     _rekey(records, hashes, b"get")
     for g in groups:  # untimed: what the gets read
         shm.save(NS, [(hashes[i], records[i]) for i in g])
@@ -255,7 +279,7 @@ def _block_rows(shm: Client, behind: Client, tcp: Client, nbytes: int, ws: int, 
     # block once (kvtier.store.scrub, within MAX_DELAY_S) and readers copy without hashing.
     time.sleep(MAX_DELAY_S + 0.5)
     for name, client in (("shm", shm), ("tcp", tcp)):
-        compare(f"{name} get {label}", get(client))
+        compare(f"{name} get {label}", lambda cpu, c=client: get(c, cpu))
         loaded = client.load(NS, [hashes[i] for i in groups[0]], degrade=False)
         assert loaded == [bytes(records[i]) for i in groups[0]], f"{name} load returned other bytes"
         for d in dsts:

@@ -51,6 +51,8 @@ def test_quick_dataplane_bench_writes_json(registered: Path, tmp_path: Path) -> 
     for size in ("0.25MiB", "1MiB"):
         for path in ("shm", "tcp"):
             assert f"{path} put {size}" in cases and f"{path} get {size}" in cases
+            # the daemon's CPU per block (Linux: /proc/PID/task/*/schedstat, which CI has)
+            assert f"{path} put {size}, daemon CPU" in cases and f"{path} get {size}, daemon CPU" in cases
         assert f"shm put {size}, write-behind" in cases  # pipelined and write-behind at once here
         assert f"memcpy {size} (kvtier.memcopy)" in cases
     for sock in ("unix socket", "tcp"):
@@ -61,6 +63,10 @@ def test_quick_dataplane_bench_writes_json(registered: Path, tmp_path: Path) -> 
         assert set(row) == names
         if row["case"].startswith("lookup"):
             assert row["unit"] == "ms"
+            assert row["ratio"] == pytest.approx(row["baseline"] / row["kvtier"])
+        elif row["case"].endswith(", daemon CPU"):
+            assert (row["metric"], row["unit"]) == ("cpu per block", "us")
+            assert row["baseline_name"] == "the client's copy of a block (2 threads)"
             assert row["ratio"] == pytest.approx(row["baseline"] / row["kvtier"])
         else:
             assert (row["metric"], row["unit"]) == ("throughput", "GB/s")

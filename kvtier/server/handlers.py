@@ -332,12 +332,19 @@ def _note_tokens(scope: Scope, ns_id: bytes, tokens: list[BlockTokens | None], o
         scope.events.note_blocks(ns_id, blocks)
 
 
+_NS_FIELDS_KEY = b"ns_fields"
+"""The bytes of a header map's ``ns_fields`` key, in whichever msgpack string form it is written:
+a header with the key contains them (one that contains them may still lack it, and is decoded)."""
+
+
 def _maybe_register(store: TieredStore, ns_id: bytes, headers: Sequence[bytes | None]) -> None:
     """Register the namespace from the first header's ns_fields when it is not known yet."""
     if _namespace(store, ns_id) is not None:
         return
     buf = next((h for h in headers if h is not None), None)
-    if buf is None:
+    if buf is None or _NS_FIELDS_KEY not in buf:
+        # No "ns_fields" string anywhere in the header: it carries none, so there is nothing to
+        # register, and no decode is spent on every save of a client that sends none.
         return
     try:
         fields = decode_header(buf)[0].ns_fields

@@ -93,7 +93,6 @@ Every pair is checked before any byte moves, so an error copies nothing; the GIL
 for the whole batch. Raises what :func:`copy` raises, and ValueError if the counts differ."""
 
 
-
 def copy_many_memcpy(dsts: Sequence[Any], srcs: Sequence[Any]) -> None:
     """:func:`copy_many` with the C library's ``memcpy`` for every size, no streaming stores: the
     reference ``kvtier bench`` sets the client's copies beside. Large pairs release the GIL as in
@@ -224,8 +223,9 @@ def _shares(dsts: Sequence[memoryview], srcs: Sequence[memoryview], total: int,
             parts: int) -> list[tuple[list[memoryview], list[memoryview]]]:
     """The byte views of the pairs cut into at most ``parts`` runs of about ``total / parts``
     bytes, in order; a pair crossing a boundary is cut at a multiple of SPLIT_ALIGN from its start.
-    (Each run is at least PARALLEL_MIN_BYTES / MAX_RUNS >> SPLIT_ALIGN bytes, so a cut always
-    lands inside the run being filled once that run is empty.)"""
+    (:func:`copy_many_threads` asks for runs of at least min(PARALLEL_MIN_BYTES / MAX_COPY_THREADS,
+    RUN_BYTES) >> SPLIT_ALIGN bytes, so a cut always lands inside the run being filled once that
+    run is empty.)"""
     target = -(-total // parts)
     out: list[tuple[list[memoryview], list[memoryview]]] = []
     run_d: list[memoryview] = []
@@ -282,9 +282,9 @@ def copy_many_threads(dsts: Sequence[Any], srcs: Sequence[Any], threads: int, *,
     threads take in turn, so a preempted or late thread leaves its runs to the others (and a
     helper that has not started once they are all taken, the pool being busy with another
     caller's batch, is not waited for). ``streaming`` False: each run is :func:`copy_many_memcpy`
-    (the benchmarks' reference, on the same threads and runs). Every pair
-    is checked before any byte moves, so an error copies nothing. The pairs must not overlap one
-    another (each may overlap itself: a memmove), since runs are copied at the same time.
+    (the benchmarks' reference, on the same threads and runs). Every pair is checked before any
+    byte moves, so an error copies nothing. The pairs must not overlap one another (each may
+    overlap itself: a memmove), since runs are copied at the same time.
 
     Raises:
         ValueError: ``threads`` is not in 1..MAX_COPY_THREADS; and what :func:`copy_many` raises.

@@ -341,6 +341,28 @@ def test_bad_arguments_are_typed_errors(copy) -> None:
         copy(bytearray(1))  # type: ignore[call-arg]
 
 
+@pytest.mark.skipif(not memcopy.NATIVE, reason="the C routine's own argument (no compiler at install)")
+def test_the_streaming_argument_of_copy_many() -> None:
+    from kvtier import _memcopy
+
+    big = NT_MIN + 5
+    for streaming in (False, 0, None, True, 1):  # truth-tested like any value
+        dst = bytearray(big)
+        _memcopy.copy_many([dst], [_random(big, 9)], streaming)
+        assert dst == _random(big, 9)
+
+    class Untruthful:
+        def __bool__(self) -> bool:
+            raise ValueError("no truth value")
+
+    dst = bytearray(4)
+    with pytest.raises(ValueError, match="no truth value"):
+        _memcopy.copy_many([dst], [b"wxyz"], Untruthful())
+    assert dst == bytearray(4)  # nothing copied
+    with pytest.raises(TypeError, match="takes 2 or 3 arguments"):
+        _memcopy.copy_many([dst], [b"wxyz"], False, 1)
+
+
 def test_multi_byte_formats_copy_by_bytes() -> None:
     src = np.arange(NT_MIN // 8 + 3, dtype=np.float64)
     dst = np.zeros_like(src)

@@ -330,6 +330,5 @@ def copy_many_threads(dsts: Sequence[Any], srcs: Sequence[Any], threads: int, *,
 
 
 __all__ = ["COPY_THREADS_ENV", "MAX_COPY_THREADS", "NATIVE", "NONTEMPORAL", "NONTEMPORAL_MIN_BYTES", "PARALLEL_MIN_BYTES",
-           "RUN_BYTES",
-           "cgroup_cpu_quota", "copy", "copy_many", "copy_many_memcpy", "copy_many_plain", "copy_many_threads", "copy_plain",
-           "default_copy_threads", "env_copy_threads"]
+           "RUN_BYTES", "cgroup_cpu_quota", "copy", "copy_many", "copy_many_memcpy", "copy_many_plain",
+           "copy_many_threads", "copy_plain", "default_copy_threads", "env_copy_threads"]

@@ -51,6 +51,9 @@ class BenchDaemon:
         self.tcp = ""  # "tcp://HOST:PORT" once started, when --listen was given
         self.log_path = work / "daemon.log"
         self.proc: subprocess.Popen[bytes] | None = None
+        self._cpu_pid = 0  # the process the two fields below describe
+        self._cpu_tasks: dict[str, int] = {}  # thread id -> its CPU ns at the last reading
+        self._cpu_ended = 0  # CPU ns of the threads gone since, as last read
 
     def start(self, timeout_s: float = 60.0) -> None:
         """Start it and wait for its ready line; RuntimeError with its log if it exits or stalls."""
@@ -97,22 +100,34 @@ class BenchDaemon:
 
     def cpu_seconds(self) -> float | None:
         """CPU time the daemon's threads have run so far (Linux ``/proc/PID/task/*/schedstat``,
-        nanosecond resolution; threads that ended are not counted, and the daemon's pools keep
-        theirs); None where it cannot be read."""
+        nanosecond resolution); None where it cannot be read.
+
+        Never less than an earlier reading: a thread that ended (the daemon's start-up prefault,
+        a pool's idle worker) keeps counting with the time it had at the last reading that saw
+        it. What it ran after that reading is missed, so a window in which a thread ends can
+        read a little low, never negative.
+        """
         if self.proc is None:
             return None
-        total = 0
+        pid = self.proc.pid
         try:
-            tasks = os.listdir(f"/proc/{self.proc.pid}/task")
+            tasks = os.listdir(f"/proc/{pid}/task")
         except OSError:
             return None
+        if pid != self._cpu_pid:  # another process (restarted): start over
+            self._cpu_pid, self._cpu_tasks, self._cpu_ended = pid, {}, 0
+        seen: dict[str, int] = {}
         for tid in tasks:
             try:
-                with open(f"/proc/{self.proc.pid}/task/{tid}/schedstat") as f:
-                    total += int(f.read().split()[0])
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    seen[tid] = int(f.read().split()[0])
             except (OSError, ValueError, IndexError):
-                continue  # a thread that ended meanwhile
-        return total / 1e9
+                continue  # a thread that ended meanwhile: counted as gone below
+        for tid, ns in self._cpu_tasks.items():
+            if seen.get(tid, -1) < ns:  # gone, or its id reused by a newer thread
+                self._cpu_ended += ns
+        self._cpu_tasks = seen
+        return (self._cpu_ended + sum(seen.values())) / 1e9
 
     def log_tail(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:] if self.log_path.exists() else ""

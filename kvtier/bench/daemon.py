@@ -51,7 +51,6 @@ class BenchDaemon:
         self.tcp = ""  # "tcp://HOST:PORT" once started, when --listen was given
         self.log_path = work / "daemon.log"
         self.proc: subprocess.Popen[bytes] | None = None
-        self._cpu_pid = 0  # the process the two fields below describe
         self._cpu_tasks: dict[str, int] = {}  # thread id -> its CPU ns at the last reading
         self._cpu_ended = 0  # CPU ns of the threads gone since, as last read
 
@@ -65,6 +64,7 @@ class BenchDaemon:
         env = child_env()
         progress(f"{self.suite}: starting the daemon in {self.work}: {' '.join(self.flags)}")
         with open(self.log_path, "wb") as log:
+            self._cpu_tasks, self._cpu_ended = {}, 0  # readings of this process start over
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env=env)
         deadline = time.monotonic() + timeout_s
@@ -114,8 +114,6 @@ class BenchDaemon:
             tasks = os.listdir(f"/proc/{pid}/task")
         except OSError:
             return None
-        if pid != self._cpu_pid:  # another process (restarted): start over
-            self._cpu_pid, self._cpu_tasks, self._cpu_ended = pid, {}, 0
         seen: dict[str, int] = {}
         for tid in tasks:
             try:

@@ -36,13 +36,15 @@ def test_running_serves_then_stops_and_removes_its_dir_even_on_failure(capsys: p
 
 
 BURN_THEN_END = """
-import sys, threading, time
-def burn():  # 0.3 s of CPU, then the thread ends
-    while time.thread_time() < 0.3:
+import sys, threading
+stop = threading.Event()
+def burn():  # spins until told to stop, then the thread ends
+    while not stop.is_set():
         pass
 worker = threading.Thread(target=burn)
 worker.start()
 sys.stdin.readline()
+stop.set()
 worker.join()
 print("ended", flush=True)
 sys.stdin.readline()

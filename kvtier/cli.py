@@ -108,7 +108,7 @@ def _add_selftest(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_selftest(args: argparse.Namespace) -> int:
-    from kvtier.selftest import run
+    from kvtier.commands.selftest import run
 
     return run(args)
 

@@ -23,13 +23,13 @@ LIGHT_MODULES = [
     "kvtier_protocol.namespace",
     "kvtier_protocol.frames",
     "kvtier_protocol.events",
-    "kvtier.store.types",
-    "kvtier.store.index",
-    "kvtier.store.policy",
-    "kvtier.store.lease",
-    "kvtier.store.allocator",
-    "kvtier.store.pooled",
-    "kvtier.store.stats",
+    "kvtier.daemon.store.types",
+    "kvtier.daemon.store.index",
+    "kvtier.daemon.store.policy",
+    "kvtier.daemon.store.lease",
+    "kvtier.daemon.store.allocator",
+    "kvtier.daemon.store.pooled",
+    "kvtier.daemon.store.stats",
 ]
 HEAVY = ("torch", "aiohttp", "rocksdict")
 

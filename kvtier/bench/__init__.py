@@ -17,18 +17,18 @@ from __future__ import annotations
 SUITES: dict[str, tuple[str, str]] = {
     # name: (module, one-line help shown by `kvtier bench --help`)
     "codecs": ("kvtier.bench.codecs", "codec size ratio, error and encode/decode GB/s vs memcpy"),
-    "store": ("kvtier.bench.store", "host-tier put/get vs torch copy_; disk write/read vs dd O_DIRECT"),
+    "store": ("kvtier.bench.store.suite", "host-tier put/get vs torch copy_; disk write/read vs dd O_DIRECT"),
     "dataplane": ("kvtier.bench.dataplane",
                   "daemon data plane: put/get over shared memory and TCP vs memcpy; lookup p50/p99 vs ping"),
     "ttft": ("kvtier.bench.ttft",
              "time to first token on a prefix hit vs full prefill (reference engine and HF)"),
-    "peers": ("kvtier.bench.peers",
+    "peers": ("kvtier.bench.peers.suite",
               "save/load workload through kvtier (shm, TCP) vs Redis and LMCache, several clients"),
     "lookup": ("kvtier.bench.lookup",
                "longest-prefix lookup latency for 1K-128K-token prompts; flat with 1K-1M blocks stored"),
     "events": ("kvtier.bench.events", "KV events published and received per second"),
     "gpu": ("kvtier.bench.gpu", "pinned host<->device copies through the connector vs raw cudaMemcpy (CUDA only)"),
-    "crash": ("kvtier.bench.crash", "SIGKILL the daemon under a durable writer; count recovered blocks"),
-    "soak": ("kvtier.bench.soak", "many clients of mixed lookup/save/load at full capacity: errors, RSS, leaks"),
-    "fuzz": ("kvtier.bench.fuzz", "feed every untrusted-input decoder random and mutated inputs"),
+    "crash": ("kvtier.bench.crash.suite", "SIGKILL the daemon under a durable writer; count recovered blocks"),
+    "soak": ("kvtier.bench.soak.suite", "many clients of mixed lookup/save/load at full capacity: errors, RSS, leaks"),
+    "fuzz": ("kvtier.bench.fuzz.suite", "feed every untrusted-input decoder random and mutated inputs"),
 }

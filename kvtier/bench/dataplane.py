@@ -19,10 +19,10 @@ Rows:
     preallocated destination tensors (acquire → copy out of shared memory → release, pipelined
     with ``--pipeline-mib``; ``get`` with records inline → copy and verify), the destinations
     rotating over the working set exactly as the baseline's do. The gets start once the daemon has checked the stored blocks (it does
-    so within ``kvtier.store.scrub.MAX_DELAY_S`` of a save), as a later load of a saved prefix
+    so within ``kvtier.daemon.store.scrub.MAX_DELAY_S`` of a save), as a later load of a saved prefix
     finds them: the copy out of shared memory is then not hashed again by the client.
   * Two baselines for each of the four, timed in turn with it (every repetition runs all three):
-    - ``kvtier.memcopy.copy_many_threads`` of the same bytes, batch by batch on as many threads
+    - ``kvtier.client.memcopy.copy_many_threads`` of the same bytes, batch by batch on as many threads
       as the client copies with (``--copy-threads``; the client's default: the CPUs of this
       process, at most 4): the very copy the client makes into and out of shared memory
       (non-temporal stores where the C routine is built; a plain memcpy otherwise), so the
@@ -60,12 +60,12 @@ from pathlib import Path
 
 import torch
 
-from kvtier import memcopy
+from kvtier.client import memcopy
 from kvtier.bench.daemon import BenchDaemon
 from kvtier.bench.report import (Row, Samples, SuiteResult, Timer, alternate, alternate_many, gbps,
                                  latency_row, ping_latency_rows, progress, threads_label, throughput_row)
 from kvtier.client import Client
-from kvtier.store.scrub import MAX_DELAY_S
+from kvtier.daemon.store.scrub import MAX_DELAY_S
 from kvtier_protocol.header import BlockHeader, Section, decode_header, encode_header, payload_checksum
 from kvtier_protocol.keys import chain_hashes
 
@@ -251,11 +251,11 @@ def _block_rows(shm: Client, behind: Client, tcp: Client, nbytes: int, ws: int, 
         return once
 
     plural = threads_label(threads)
-    base_name = f"memcpy ({'kvtier.memcopy, non-temporal' if memcopy.NONTEMPORAL else 'plain'}, {plural})"
+    base_name = f"memcpy ({'kvtier.client.memcopy, non-temporal' if memcopy.NONTEMPORAL else 'plain'}, {plural})"
     torch_name = f"torch copy_ ({plural})"
     glibc_name = f"memcpy (glibc, {plural})"
     copy_kv, copy_base = alternate(memcpy, torch_copy, repetitions=reps)
-    rows = [throughput_row(f"memcpy {label} (kvtier.memcopy)", "throughput", "GB/s", copy_kv, torch_name, copy_base)]
+    rows = [throughput_row(f"memcpy {label} (kvtier.client.memcopy)", "throughput", "GB/s", copy_kv, torch_name, copy_base)]
 
     def compare(case: str, fn: Callable[[list[float]], Callable[[], float]]) -> None:
         """``fn`` beside the client's own copy and beside glibc's memcpy, all three alternating;
@@ -276,7 +276,7 @@ def _block_rows(shm: Client, behind: Client, tcp: Client, nbytes: int, ws: int, 
     for g in groups:  # untimed: what the gets read
         shm.save(NS, [(hashes[i], records[i]) for i in g])
     # Loads of a stored prefix come later than its save; by then the daemon has checked each
-    # block once (kvtier.store.scrub, within MAX_DELAY_S) and readers copy without hashing.
+    # block once (kvtier.daemon.store.scrub, within MAX_DELAY_S) and readers copy without hashing.
     time.sleep(MAX_DELAY_S + 0.5)
     for name, client in (("shm", shm), ("tcp", tcp)):
         compare(f"{name} get {label}", lambda cpu, c=client: get(c, cpu))

@@ -1,6 +1,6 @@
 """`kvtier bench events`: KV events per second through the daemon's publisher to a subscriber.
 
-The daemon's own :class:`kvtier.server.events.EventHub` (translation to vLLM 0.33 events, merging
+The daemon's own :class:`kvtier.daemon.server.events.EventHub` (translation to vLLM 0.33 events, merging
 into runs, msgpack encoding on its sender thread, a ZMQ PUB socket on tcp loopback) runs in this
 process, fed what the store and the data plane feed it in the daemon: ``note_blocks`` with each
 stored block's tokens and hash-unit digests, then ``publish`` of ``--batch`` store events at a
@@ -40,11 +40,11 @@ import msgpack
 import zmq
 
 from kvtier.bench.report import Row, Samples, SuiteResult, Timer, alternate, progress, throughput_row
-from kvtier.config import EventsConfig
-from kvtier.server.event_translate import BlockTokens, EventTranslator
-from kvtier.server.events import EventHub
-from kvtier.store.stats import EventKind, StoreEvent
-from kvtier.store.types import Tier
+from kvtier.daemon.config.settings import EventsConfig
+from kvtier.daemon.server.event_translate import BlockTokens, EventTranslator
+from kvtier.daemon.server.events import EventHub
+from kvtier.daemon.store.stats import EventKind, StoreEvent
+from kvtier.daemon.store.types import Tier
 from kvtier_protocol.errors import KVTierError
 from kvtier_protocol.events import decode_batch, encode_wire_batch
 from kvtier_protocol.namespace import Namespace

@@ -12,7 +12,7 @@ Rows (GB/s of KV bytes, higher is better; every timed region ends with a device 
   * ``connector save``: :meth:`KVConnectorCore.save` of those pages (gather on the device, one
     device→host copy per batch, encode, save); next to a device→pinned-host copy of the bytes.
     The blocks are deleted (untimed) after each repetition, so every save stores them again.
-  * ``GPU tier copy_in`` / ``copy_out`` with pinned host memory: :class:`kvtier.store.gpu.GpuTier`
+  * ``GPU tier copy_in`` / ``copy_out`` with pinned host memory: :class:`kvtier.daemon.store.gpu.GpuTier`
     slots filled from and drained to pinned host blocks, next to the raw pinned copies.
   * ``GPU tier device-to-device``: ``copy_in`` of device tensors into GPU-tier slots, next to a
     device ``copy_`` of the same bytes.
@@ -33,8 +33,8 @@ from kvtier.bench.report import Row, SuiteResult, Timer, alternate, gbps, progre
 from kvtier.client import Client
 from kvtier.connector.core import KVConnectorCore
 from kvtier.connector.pages import get_page_layout
-from kvtier.store.gpu import GpuTier
-from kvtier.store.types import Slot
+from kvtier.daemon.store.gpu import GpuTier
+from kvtier.daemon.store.types import Slot
 from kvtier_protocol.namespace import Namespace
 
 DESCRIPTION = "pinned host<->device copies through the connector vs raw cudaMemcpy (CUDA only)"

@@ -7,7 +7,7 @@ Rows:
     them all), next to a ``ping`` over the same socket: the round trip every call pays.
   * ``index walk`` throughput (Mkeys/s) with 100K and 1M blocks stored (``--stored``), next to
     the same walk with 1K stored: a ratio of 1.0 is flat. The index is a
-    :class:`kvtier.store.index.BlockIndex` built in this process (add → commit → place in the
+    :class:`kvtier.daemon.store.index.BlockIndex` built in this process (add → commit → place in the
     host tier, as the store does), not through the daemon: a daemon holding 1M blocks needs 1M
     host slots and a million puts, while lookup touches only the index. Each walk is
     ``BlockIndex.lookup_names`` of ``--walk-tokens`` (128K) tokens of keys, built fresh for each
@@ -45,8 +45,8 @@ from kvtier.bench.daemon import BenchDaemon
 from kvtier.bench.report import (Row, Samples, SuiteResult, Timer, alternate, latency_row, ping_latency_rows,
                                  progress, throughput_row)
 from kvtier.client import Client
-from kvtier.store.index import BlockIndex, BlockMeta
-from kvtier.store.types import Slot, Tier
+from kvtier.daemon.store.index import BlockIndex, BlockMeta
+from kvtier.daemon.store.types import Slot, Tier
 from kvtier_protocol.header import BlockHeader, Section, encode_header, payload_checksum
 
 DESCRIPTION = "longest-prefix lookup latency for 1K-128K-token prompts; flat with 1K-1M blocks stored"

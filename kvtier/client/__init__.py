@@ -9,7 +9,7 @@ Importing this package loads none of the daemon's dependencies (aiohttp, RocksDB
 ZMQ) and no torch: the tensor helpers import torch when first called.
 """
 
-from kvtier.client.address import Address, parse_address
+from kvtier_protocol.address import Address, parse_address
 from kvtier.client.aio import AsyncClient
 from kvtier.client.errors import ConnectionLost, TimedOut
 from kvtier.client.flows import NO_HITS, LookupResult

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from kvtier_protocol.errors import KVTierError, Unavailable
 
 from kvtier.client import retry
-from kvtier.client.address import Address, parse_address
+from kvtier_protocol.address import Address, parse_address
 from kvtier.client.aio_transport import AsyncConnection, Sent
 from kvtier.client.api import ClientBase, FlowFactory, degrade_error
 from kvtier.client.errors import ConnectionLost, TimedOut

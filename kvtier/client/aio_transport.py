@@ -8,7 +8,7 @@
 The hello runs on the raw socket before the streams take it over, because asyncio's streams
 cannot receive descriptors: on a unix socket the first bytes of the hello response are read with
 ``recvmsg`` (``socket.recv_fds``), which also receives the segment descriptors (SPEC.md §7.4).
-Frames are read by :func:`kvtier.stream.read_frame` (large payloads received in place into
+Frames are read by :func:`kvtier_protocol.frame_stream.read_frame` (large payloads received in place into
 reused buffers) and large frames written buffer by buffer, never joined. When the connection
 breaks, every waiting call fails with :class:`ConnectionLost` and the segments are unmapped. A
 call cancelled after the daemon granted it a lease (acquire, reserve) gets that lease released,
@@ -27,14 +27,14 @@ from kvtier_protocol.errors import FrameError, KVTierError, ProtocolError
 from kvtier_protocol.frames import (DEFAULT_LIMITS, Buffer, Frame, FrameDecoder, Response, encode_frame,
                                     encode_frame_bytes, parse_response, raise_for_error)
 
-from kvtier.buffers import PayloadBuffers
-from kvtier.client.address import Address
+from kvtier_protocol.buffers import PayloadBuffers
+from kvtier_protocol.address import Address
 from kvtier.client.errors import ConnectionLost, TimedOut, Unreachable
 from kvtier.client.behind import LateErrors
 from kvtier.client.calls import LEASE_OPS, Call
 from kvtier.client.options import ClientOptions
 from kvtier.client.session import MAX_FDS, Session, hello_keys, open_session
-from kvtier.stream import FrameStream, read_frame
+from kvtier_protocol.frame_stream import FrameStream, read_frame
 
 _FIRST_READ = 64 << 10
 STREAM_LIMIT = 4 << 20  # bytes received ahead of the reader before reading pauses

@@ -13,7 +13,7 @@ passes it here instead::
 The digest is of the destination's bytes, so what is verified is exactly what the caller gets.
 A slot the daemon reports checked (SPEC §7.4, ``acquire``'s ``verified``) is copied without the
 hash unless the client was made with ``verify="always"``, with the other such slots of its
-acquired sub-batch in one ``kvtier.memcopy.copy_many`` call (``SegmentMap.read_many``). A record
+acquired sub-batch in one ``kvtier.client.memcopy.copy_many`` call (``SegmentMap.read_many``). A record
 that fails any check is a miss (the prefix ends there; that buffer's contents are then
 unspecified), never wrong data. Torch-free.
 """

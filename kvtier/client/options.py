@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from kvtier_protocol.errors import InvalidRequest
 from kvtier_protocol.wire_checks import DEFAULT_LEASE_MS, MAX_TEXT_LEN
 
-from kvtier.memcopy import MAX_COPY_THREADS, default_copy_threads, env_copy_threads
+from kvtier.client.memcopy import MAX_COPY_THREADS, default_copy_threads, env_copy_threads
 
 
 VERIFY_MODES = ("auto", "always")
@@ -69,7 +69,7 @@ class ClientOptions:
             slots at once and needs one round trip instead of two. They are held until used, the
             connection ends, or half their lease passed. 0: every save reserves its slots.
         copy_threads: threads that copy a batch of payloads into and out of shared memory
-            (kvtier.memcopy.copy_many_threads: batches from 8 MiB on are shared out; one core does
+            (kvtier.client.memcopy.copy_many_threads: batches from 8 MiB on are shared out; one core does
             not reach the memory's bandwidth). None (default): ``$KVTIER_COPY_THREADS`` if set,
             else the CPUs this process may use (its affinity and its cgroup's CPU quota), at most
             4. 1: the calling thread alone.
@@ -129,7 +129,7 @@ class ClientOptions:
 
     @property
     def resolved_copy_threads(self) -> int:
-        """``copy_threads``, or the default for this process when None (kvtier.memcopy:
+        """``copy_threads``, or the default for this process when None (kvtier.client.memcopy:
         ``KVTIER_COPY_THREADS``, else its CPUs, at most 4).
 
         Raises:

@@ -5,11 +5,11 @@ Over a unix socket the hello response carries one descriptor per segment (SCM_RI
 (save) and copies payloads out of acquired ones (load), so only metadata crosses the socket::
 
     segment 0 mapping   [ .... | slot (seg 0, off, len) | .... ]
-                                  ^ kvtier.memcopy.copy in / out
+                                  ^ kvtier.client.memcopy.copy in / out
 
 Every slot the daemon names is bounds-checked against the mapping before it is touched: a wrong
 slot is a protocol error (FrameError), never a write outside the segment. Stdlib only (and
-kvtier.memcopy, whose C part is optional).
+kvtier.client.memcopy, whose C part is optional).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import TypeVar
 from kvtier_protocol.errors import FrameError, StorageError
 from kvtier_protocol.frames import Segment, SlotRef
 
-from kvtier import memcopy
+from kvtier.client import memcopy
 from kvtier.client.errors import ConnectionLost
 
 Buffer = bytes | bytearray | memoryview
@@ -70,7 +70,7 @@ class SegmentMap:
         self._maps: list[mmap.mmap] = list(maps)
         self.copy_threads = 1
         """Threads that copy a batch in :meth:`write_many` / :meth:`read_many`
-        (``ClientOptions.copy_threads``; kvtier.memcopy.copy_many_threads)."""
+        (``ClientOptions.copy_threads``; kvtier.client.memcopy.copy_many_threads)."""
 
     @classmethod
     def from_fds(cls, segments: Sequence[Segment], fds: Sequence[int]) -> SegmentMap:
@@ -135,7 +135,7 @@ class SegmentMap:
 
     def write_many(self, slots: Sequence[SlotRef], payloads: Sequence[Buffer]) -> None:
         """:meth:`write` of ``payloads[i]`` into ``slots[i]`` for every ``i``, the copies made in
-        one call (:func:`kvtier.memcopy.copy_many_threads`, on :attr:`copy_threads` threads) once
+        one call (:func:`kvtier.client.memcopy.copy_many_threads`, on :attr:`copy_threads` threads) once
         every slot is checked.
 
         Raises:

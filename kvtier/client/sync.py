@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from kvtier_protocol.errors import KVTierError, Unavailable
 
 from kvtier.client import retry
-from kvtier.client.address import Address, parse_address
+from kvtier_protocol.address import Address, parse_address
 from kvtier.client.api import ClientBase, degrade_error
 from kvtier.client.errors import ConnectionLost
 from kvtier.client.behind import DeferredFlush, LateErrors

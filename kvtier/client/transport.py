@@ -28,8 +28,8 @@ from kvtier_protocol.frames import (DEFAULT_LIMITS, PREAMBLE_LEN, Buffer, Frame,
                                     decode_header, encode_frame, parse_preamble, parse_response,
                                     raise_for_error)
 
-from kvtier.buffers import POOLED_PAYLOAD_BYTES, PayloadBuffers
-from kvtier.client.address import Address
+from kvtier_protocol.buffers import POOLED_PAYLOAD_BYTES, PayloadBuffers
+from kvtier_protocol.address import Address
 from kvtier.client.errors import ConnectionLost, TimedOut, Unreachable
 from kvtier.client.behind import LateErrors
 from kvtier.client.calls import JUMP_OPS, LEASE_OPS, Call
@@ -84,7 +84,7 @@ class BlockingConnection:
         self._held: set[int] = set()  # ids of the requests in _outbox
         self._kept: list[int] = []  # write-behind commits whose answers are claimed later, oldest first
         self.late = LateErrors()  # what became of refused or lost write-behind commits
-        self._buffers = PayloadBuffers(PAYLOAD_KEEP_BYTES)  # for large payloads (kvtier.buffers)
+        self._buffers = PayloadBuffers(PAYLOAD_KEEP_BYTES)  # for large payloads (kvtier_protocol.buffers)
         self.session: Session | None = None
 
     @classmethod

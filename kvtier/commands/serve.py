@@ -1,7 +1,7 @@
 """``kvtier serve``: run the daemon (kvtierd) in the foreground.
 
 Flags override the ``KVTIER_*`` environment, which overrides the TOML file (``--config``), which
-overrides the embedded defaults (:mod:`kvtier.config`). Also runnable as
+overrides the embedded defaults (:mod:`kvtier.daemon.config.settings`). Also runnable as
 ``python -m kvtier.commands.serve [flags]``.
 """
 
@@ -49,7 +49,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def overrides_from(args: argparse.Namespace) -> dict[str, object]:
-    """The options the flags set, as ``{"section.key": text}`` for :func:`kvtier.config.load_config`."""
+    """The options the flags set, as ``{"section.key": text}`` for :func:`kvtier.daemon.config.settings.load_config`."""
     return {option: getattr(args, option) for _, option, _, _ in FLAGS if getattr(args, option) is not None}
 
 
@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     import logging
     import os
 
-    from kvtier.config import ConfigError, load_config
+    from kvtier.daemon.config.settings import ConfigError, load_config
 
     try:
         config = load_config(args.config, overrides=overrides_from(args))
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     stamp = "" if os.environ.get("JOURNAL_STREAM") else "%(asctime)s "
     logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
                         format=stamp + "%(levelname)s %(name)s: %(message)s")
-    from kvtier.server.daemon import run_daemon
+    from kvtier.daemon.server.daemon import run_daemon
 
     try:
         import uvloop  # optional: a faster event loop where installed

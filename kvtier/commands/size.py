@@ -22,7 +22,7 @@ from typing import Any
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32",
           "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
-HOST_ALIGN, GPU_ALIGN = 4096, 256  # slot alignment of the host and GPU tiers (kvtier.store)
+HOST_ALIGN, GPU_ALIGN = 4096, 256  # slot alignment of the host and GPU tiers (kvtier.daemon.store)
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,7 +259,7 @@ def geometry_from_args(args: argparse.Namespace) -> KVGeometry:
 
 def run(args: argparse.Namespace) -> int:
     """Print the figures; exit status 2 on bad input."""
-    from kvtier.config import ConfigError, load_config
+    from kvtier.daemon.config.settings import ConfigError, load_config
 
     from kvtier_protocol.codec_plan import CODECS
 

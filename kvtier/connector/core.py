@@ -32,7 +32,7 @@ from kvtier_protocol.wire_checks import PRIORITY_MAX, PRIORITY_MIN
 
 from kvtier.client import Client, ClientOptions
 from kvtier.client.records import check_hashes
-from kvtier.config_sources import default_data_dir, default_socket
+from kvtier_protocol.address import default_data_dir, default_socket
 from kvtier.connector.blocks import expected_shape, kv_dtype, token_info
 from kvtier.connector.jobs import JobResult, JobRunner
 from kvtier.connector.pages import check_caches, gather_blocks, get_page_layout, host_views, page_index

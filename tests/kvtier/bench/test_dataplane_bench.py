@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 
 import kvtier.bench
-from kvtier import memcopy
+from kvtier.client import memcopy
 from kvtier.bench import dataplane
 from kvtier.bench.report import Row
 from kvtier.cli import main
 
-MEMCPY = f"memcpy ({'kvtier.memcopy, non-temporal' if memcopy.NONTEMPORAL else 'plain'}, 2 threads)"
+MEMCPY = f"memcpy ({'kvtier.client.memcopy, non-temporal' if memcopy.NONTEMPORAL else 'plain'}, 2 threads)"
 GLIBC = "memcpy (glibc, 2 threads)"
 HELP = "daemon data plane: put/get over shared memory and TCP vs memcpy; lookup p50/p99 vs ping"
 
@@ -54,7 +54,7 @@ def test_quick_dataplane_bench_writes_json(registered: Path, tmp_path: Path) -> 
             # the daemon's CPU per block (Linux: /proc/PID/task/*/schedstat, which CI has)
             assert f"{path} put {size}, daemon CPU" in cases and f"{path} get {size}, daemon CPU" in cases
         assert f"shm put {size}, write-behind" in cases  # pipelined and write-behind at once here
-        assert f"memcpy {size} (kvtier.memcopy)" in cases
+        assert f"memcpy {size} (kvtier.client.memcopy)" in cases
     for sock in ("unix socket", "tcp"):
         assert [(r["metric"], r["baseline_name"]) for r in doc["rows"]
                 if r["case"] == f"lookup 64 keys, {sock}, vs ping"] == [

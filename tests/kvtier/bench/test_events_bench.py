@@ -14,8 +14,8 @@ import pytest
 from kvtier.bench.events import Workload
 from kvtier.bench.report import Row
 from kvtier.cli import main
-from kvtier.server.event_translate import EventTranslator
-from kvtier.store.stats import EventKind
+from kvtier.daemon.server.event_translate import EventTranslator
+from kvtier.daemon.store.stats import EventKind
 from kvtier_protocol.events import BlockRemoved, BlockStored, decode_batch, decode_event
 
 

@@ -149,7 +149,7 @@ async def test_malformed_response_breaks_only_that_connection(peer: Peer) -> Non
 
 
 async def test_large_payloads_travel_unjoined_and_land_in_reused_buffers(peer: Peer) -> None:
-    blocks = make_blocks(3, 2 << 20, tag=b"aio-pooled")  # above kvtier.stream.POOLED_PAYLOAD_BYTES
+    blocks = make_blocks(3, 2 << 20, tag=b"aio-pooled")  # above kvtier_protocol.frame_stream.POOLED_PAYLOAD_BYTES
     async with AsyncClient(f"127.0.0.1:{peer.tcp_port}") as kv:
         assert await kv.save(NS_ID, blocks) == ["stored"] * 3  # one 6 MiB put frame, written unjoined
         kept = await kv.load(NS_ID, [blocks[0][0]], degrade=False)  # the caller keeps this record

@@ -9,8 +9,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
 
-HEAVY = ("aiohttp", "rocksdict", "prometheus_client", "zmq", "torch", "numpy", "kvtier.server",
-         "kvtier.store")
+HEAVY = ("aiohttp", "rocksdict", "prometheus_client", "zmq", "torch", "numpy", "kvtier.daemon.server",
+         "kvtier.daemon.store")
 
 CHECK = f"""
 import sys

@@ -39,7 +39,7 @@ def test_save_load_byte_identical(peer: Peer, path: str) -> None:
 
 @pytest.mark.parametrize("threads", [1, 3])
 def test_saves_and_loads_copy_on_the_configured_threads(peer: Peer, threads: int) -> None:
-    # 12 MiB batches: above kvtier.memcopy.PARALLEL_MIN_BYTES, so three threads share each copy.
+    # 12 MiB batches: above kvtier.client.memcopy.PARALLEL_MIN_BYTES, so three threads share each copy.
     blocks = make_blocks(3, 4 * MiB, tag=b"threads")
     keys = [k for k, _ in blocks]
     with Client.connect(addresses(peer)["unix"], copy_threads=threads) as kv:

@@ -15,8 +15,8 @@ from aiohttp import web
 
 from kvtier import cli
 from kvtier.commands.admin import register
-from kvtier.server.rest import create_rest_app
-from tests.kvtier.server.restkit import NS, NS_HEX, TOKEN, open_ctx, put_tokens, tokens_for
+from kvtier.daemon.server.rest import create_rest_app
+from tests.kvtier.daemon.server.restkit import NS, NS_HEX, TOKEN, open_ctx, put_tokens, tokens_for
 
 COMMANDS = ("status", "ls", "inspect", "lookup", "clear", "check")
 

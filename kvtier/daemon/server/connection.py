@@ -1,0 +1,361 @@
+"""One data-plane connection: frames in, hello and descriptor passing, requests in flight, frames out.
+
+::
+
+    read loop ─► frame ─► before hello: served inline, one at a time
+                       └► after hello:  one task per request (at most max_inflight, else `busy`)
+    tasks ─► RequestHandler ─► response ─► write lock ─► socket     (responses in any order)
+
+A frame that cannot be decoded leaves the stream out of sync: it is answered with an error whose
+``id`` is 0 and the connection is closed (SPEC.md §7.1). A request that decodes but is wrong, or
+fails, is answered with an error carrying its ``id``; the connection stays. When the connection
+ends, for whatever reason, its in-flight requests finish and every lease it still holds is
+released, so a client killed between reserve and commit leaves no visible block behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import socket
+import time
+from typing import TYPE_CHECKING, Any
+
+from kvtier_protocol import frames as fr
+from kvtier_protocol.errors import (Busy, InvalidRequest, KVTierError, ProtocolError, Truncated,
+                                    Unauthorized, UnsupportedVersion)
+
+from kvtier_protocol.buffers import PayloadBuffers
+from kvtier.daemon.server.handlers import RequestHandler, Session
+from kvtier_protocol.frame_stream import FrameStream, read_payload
+from kvtier.daemon.server.tenancy import hello_scope
+
+if TYPE_CHECKING:
+    from kvtier.daemon.server.auth import Auth
+    from kvtier.daemon.server.context import DaemonContext
+
+log = logging.getLogger(__name__)
+
+MUTATING_OPS = ("delete", "clear")  # need the token over TCP (SPEC §7.4)
+FDS_SEND_TIMEOUT_S = 5.0  # how long the hello response may wait for room in the socket buffer
+JOIN_WRITE_BYTES = 1 << 20  # frames up to this size are written with one joined buffer
+_serial = itertools.count(1)  # connection numbers, for logs
+
+
+class Connection:
+    """Serves one client until it leaves, misbehaves, idles out, or the data plane stops.
+
+    Args:
+        ctx: the daemon's shared state.
+        handler: the operations.
+        limits: the limits announced in hello and applied to every frame.
+        reader, writer: the stream (payloads are read in place, :mod:`kvtier_protocol.frame_stream`).
+        tcp: a TCP connection (else a unix socket one).
+        idle_timeout_s: silence after which the connection is closed.
+        buffers: the daemon's pool of inline payload buffers.
+    """
+
+    def __init__(self, ctx: DaemonContext, handler: RequestHandler, limits: fr.Limits,
+                 reader: FrameStream, writer: asyncio.StreamWriter, *, tcp: bool,
+                 idle_timeout_s: float, socket_requires_token: bool, buffers: PayloadBuffers) -> None:
+        self.ctx = ctx
+        self.auth: Auth = ctx.auth
+        self.handler = handler
+        self.limits = limits
+        self.reader = reader
+        self.writer = writer
+        self.buffers = buffers
+        self.session = Session(tcp=tcp)
+        self.idle_timeout_s = idle_timeout_s
+        # Over TCP the token is always required when one exists; on the socket when configured.
+        self.token_required = self.auth.required and (tcp or socket_requires_token)
+        peer = writer.get_extra_info("peername") if tcp else None
+        where = f"tcp {peer[0]}:{peer[1]}" if isinstance(peer, tuple) else "unix"
+        self.peer = f"connection {next(_serial)} ({where})"
+        self._write_lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._reading: asyncio.Task[None] | None = None
+        self._closed = False
+        # The idle timeout is one timer per connection, checked when it fires (_check_idle), not an
+        # asyncio.timeout around every read: those cost a timer scheduled and cancelled each, two
+        # per frame, a fifth of the daemon's time per small request.
+        self._active_at = 0.0  # loop time of the last frame boundary (a frame begun or ended)
+        self._in_frame = False  # between a frame's preamble and its last byte
+        self._idled = False  # the read loop was cancelled by the idle timeout
+        self._watchdog: asyncio.TimerHandle | None = None
+
+    async def serve(self) -> None:
+        """Read and answer frames until the end of the connection, then clean up."""
+        self._reading = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        self._active_at = loop.time()
+        self._watchdog = loop.call_at(self._active_at + self.idle_timeout_s, self._check_idle)
+        try:
+            await self._read_loop()
+        except asyncio.CancelledError:
+            if not self._idled:
+                log.debug("%s: stopped reading (shutdown)", self.peer)
+            elif self._in_frame:
+                log.info("%s: closed, stalled %.1f s inside a frame", self.peer, self.idle_timeout_s)
+            else:
+                log.info("%s: closed after %.1f s idle", self.peer, self.idle_timeout_s)
+        finally:
+            self._reading = None
+            if self._watchdog is not None:
+                self._watchdog.cancel()
+            await self._finish()
+
+    def _check_idle(self) -> None:
+        """The idle timer: close a connection silent for ``idle_timeout_s`` between frames with
+        nothing in flight, or stalled that long inside a frame (the stream cannot be resumed)."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        due = self._active_at + self.idle_timeout_s
+        if now < due:  # a frame boundary since the timer was set
+            self._watchdog = loop.call_at(due, self._check_idle)
+            return
+        if self._in_frame or not self._tasks:
+            self._watchdog = None
+            self._idled = True
+            if self._reading is not None:
+                self._reading.cancel()
+            return
+        # Requests still in flight: the silence is the daemon's, not the client's.
+        self._active_at = now
+        self._watchdog = loop.call_at(now + self.idle_timeout_s, self._check_idle)
+
+    def stop_reading(self) -> None:
+        """Take no further requests (shutdown); those in flight still get their answers."""
+        if self._reading is not None:
+            self._reading.cancel()
+
+    def abort(self) -> None:
+        """Cancel the requests still in flight (the drain time is over)."""
+        for task in list(self._tasks):
+            task.cancel()
+
+    # --- reading -------------------------------------------------------------------------------
+
+    async def _read_loop(self) -> None:
+        while True:
+            try:
+                frame = await self._read_frame()
+            except Truncated:
+                log.info("%s: the stream ended inside a frame", self.peer)
+                return
+            except ProtocolError as exc:
+                log.info("%s: malformed frame (%s): closing", self.peer, exc.message)
+                self.ctx.metrics.observe_request("frame", exc.code, 0.0)
+                await self._send(fr.error_response(fr.CONNECTION_ERROR_ID, exc))
+                return
+            except (ConnectionError, OSError):
+                return
+            if frame is None:
+                return
+            if not self.session.hello_done:
+                await self._serve_one(frame)  # nothing overlaps the hello and its descriptors
+            elif len(self._tasks) >= self.limits.max_inflight:
+                busy = Busy(f"more than {self.limits.max_inflight} requests in flight")
+                self.ctx.metrics.observe_request(_op_label(frame.op), busy.code, 0.0)
+                await self._send(fr.error_response(frame.id, busy, _known_op(frame.op)))
+            else:
+                task = asyncio.create_task(self._serve_one(frame))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            frame = None  # the request owns it now: its payload buffer is reusable once that ends
+
+    async def _read_frame(self) -> fr.Frame | None:
+        """The next frame, as :func:`kvtier_protocol.frame_stream.read_frame` reads it (a cancelled wait, by the
+        idle timer or shutdown, consumes nothing before the preamble)."""
+        reader = self.reader
+        try:
+            preamble = await reader.readexactly(fr.PREAMBLE_LEN)
+        except asyncio.IncompleteReadError as exc:
+            if not exc.partial:
+                return None
+            raise Truncated("stream ended inside a frame preamble") from exc
+        loop = asyncio.get_running_loop()
+        self._active_at, self._in_frame = loop.time(), True
+        # Both lengths are checked here, before anything more is read or allocated.
+        header_len, payload_len, has_payload = fr.parse_preamble(preamble, self.limits)
+        try:
+            head = await reader.readexactly(header_len)
+            body = await read_payload(reader, payload_len, self.buffers) if has_payload else None
+        except asyncio.IncompleteReadError as exc:
+            raise Truncated("stream ended inside a frame") from exc
+        self._active_at, self._in_frame = loop.time(), False
+        header = fr.decode_header(head)
+        return fr.Frame(header, memoryview(body).toreadonly() if body is not None else None)
+
+    # --- one request ---------------------------------------------------------------------------
+
+    async def _serve_one(self, frame: fr.Frame) -> None:
+        started = time.perf_counter()
+        op = _known_op(frame.op)
+        status = "ok"
+        try:
+            req = fr.validate_request(frame, limits=self.limits)
+            if isinstance(req, fr.HelloRequest):
+                await self._hello(req)
+                return
+            self._check_allowed(req)
+            response = await self.handler.handle(req, self.session)
+            await self._send_message(response)
+        except KVTierError as exc:
+            status = exc.code
+            await self._send(fr.error_response(frame.id, exc, op))
+        except asyncio.CancelledError:  # shutdown after the drain timeout
+            status = "unavailable"
+            raise
+        except ConnectionError as exc:  # the hello's descriptors could not be sent
+            status = "unavailable"
+            log.info("%s: %s; closing", self.peer, exc)
+            self._closed = True
+            self.writer.transport.abort()
+        except Exception as exc:  # a bug: answer `internal`, keep the connection (frame intact)
+            status = "internal"
+            log.exception("%s: %s request %d failed", self.peer, op or "unknown", frame.id)
+            await self._send(fr.error_response(frame.id, exc, op))
+        finally:
+            self.ctx.metrics.observe_request(_op_label(op), status, time.perf_counter() - started)
+
+    def _check_allowed(self, req: fr.Request) -> None:
+        session = self.session
+        if not session.hello_done:
+            if self.token_required:
+                raise Unauthorized(f"{req.OP} before hello: send hello with the token first")
+            raise InvalidRequest(f"{req.OP} before hello: send hello first")
+        if session.tcp and req.OP in MUTATING_OPS and not session.authenticated:
+            raise Unauthorized(f"{req.OP} over TCP needs the token")
+
+    async def _hello(self, req: fr.HelloRequest) -> None:
+        if self.session.hello_done:
+            raise InvalidRequest("hello was already done on this connection")
+        if req.version != fr.FRAME_VERSION:
+            raise UnsupportedVersion(f"protocol version {req.version} is not spoken here "
+                                     f"(this daemon speaks {fr.FRAME_VERSION})")
+        principal = self.auth.identify(req.token) if req.token is not None else None
+        if req.token is not None and principal is None:
+            raise Unauthorized("wrong token")  # refused even where no token is needed
+        if self.token_required and req.token is None:
+            raise Unauthorized("a valid token is required")
+        # The token picks the store; a client receives only that store's segments, so a
+        # tenant can map neither another tenant's blocks nor the default pool (DESIGN.md §4).
+        scope = hello_scope(self.ctx, principal, req.tenant)
+        host = scope.store.host
+        infos = host.segments if host is not None and not self.session.tcp else []
+        segments = tuple(fr.Segment(s.name, s.size) for s in infos)
+        response = fr.HelloResponse(req.id, fr.FRAME_VERSION, f"kvtierd {self.ctx.version}",
+                                    self.limits, segments, len(segments))
+        bufs = fr.encode_message(response, limits=self.limits)
+        if infos:
+            await self._send_with_fds(b"".join(bufs), [s.fd for s in infos])
+        else:
+            await self._write(bufs)
+        self.session.scope = scope
+        self.session.hello_done = True
+        self.session.has_segments = bool(infos)
+        self.session.authenticated = principal is not None or not self.auth.required
+        log.debug("%s: hello from %r (%s, %d segments)", self.peer, req.client,
+                  f"tenant {scope.tenant}" if scope.tenant else "default store", len(segments))
+
+    # --- writing -------------------------------------------------------------------------------
+
+    async def _send_message(self, message: fr.Message) -> None:
+        try:
+            bufs = fr.encode_message(message, limits=self.limits)
+        except KVTierError as exc:  # e.g. a response header above max_header_len
+            await self._send(fr.error_response(message.id, exc, message.OP))
+            return
+        await self._write(bufs)
+
+    async def _send(self, header: dict[str, Any]) -> None:
+        await self._write(fr.encode_frame(header, limits=self.limits))
+
+    async def _write(self, bufs: list[fr.Buffer]) -> None:
+        async with self._write_lock:  # frames of concurrent responses never interleave
+            if self._closed or self.writer.is_closing():
+                return
+            try:
+                if sum(len(b) for b in bufs) <= JOIN_WRITE_BYTES:
+                    self.writer.writelines(bufs)
+                else:  # Python 3.11's writelines joins its buffers: one more copy of a payload
+                    for buf in bufs:
+                        self.writer.write(buf)
+                if self.writer.transport.get_write_buffer_size():  # else the socket took it all: no wait
+                    async with asyncio.timeout(self.idle_timeout_s):
+                        await self.writer.drain()
+            except TimeoutError:  # first: TimeoutError is an OSError
+                # The peer stopped reading: its requests could never finish. Dropping the
+                # connection ends the read loop, and the cleanup releases its leases.
+                log.info("%s: peer read nothing for %.1f s; closing", self.peer, self.idle_timeout_s)
+                self._closed = True
+                self.writer.transport.abort()
+            except (ConnectionError, OSError):
+                self._closed = True
+
+    async def _send_with_fds(self, data: bytes, fds: list[int]) -> None:
+        """Send one frame with ``fds`` attached (SCM_RIGHTS), through the raw socket.
+
+        The transport's own buffer must be empty first, or bytes queued earlier would arrive
+        after the frame sent beside it.
+        """
+        async with self._write_lock:
+            transport = self.writer.transport
+            deadline = time.monotonic() + FDS_SEND_TIMEOUT_S
+            while transport.get_write_buffer_size():
+                if transport.is_closing() or time.monotonic() > deadline:
+                    raise ConnectionError("cannot flush the socket before the hello response")
+                await self.writer.drain()
+                await asyncio.sleep(0.001)
+            raw = self.writer.get_extra_info("socket")
+            # A duplicate descriptor of the transport's socket: same non-blocking socket, but a
+            # socket object send_fds accepts; closing it leaves the transport's descriptor open.
+            with socket.fromfd(raw.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                while True:
+                    try:
+                        sent = socket.send_fds(sock, [data], fds)
+                        break
+                    except BlockingIOError:
+                        if time.monotonic() > deadline:
+                            raise ConnectionError("the socket buffer stayed full") from None
+                        await asyncio.sleep(0.001)
+                    except OSError as e:  # the peer went away (EPIPE, ECONNRESET)
+                        raise ConnectionError(f"cannot send the hello response: {e.strerror}") from e
+            if sent < len(data):
+                self.writer.write(data[sent:])  # the descriptors went with the first byte
+            await self.writer.drain()
+
+    # --- end -----------------------------------------------------------------------------------
+
+    async def _finish(self) -> None:
+        if self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        store = self.handler.scope(self.session).store
+        for lease_id in list(self.session.leases):
+            try:
+                store.release(lease_id)  # a reservation is abandoned, never committed
+            except Exception:
+                log.exception("%s: releasing lease %d failed", self.peer, lease_id)
+        self.session.leases.clear()
+        self._closed = True
+        self.writer.close()  # graceful: answers still buffered go out first ...
+        try:
+            async with asyncio.timeout(self.idle_timeout_s):
+                await self.writer.wait_closed()
+        except TimeoutError:  # ... unless the peer reads nothing (first: TimeoutError is an OSError)
+            self.writer.transport.abort()
+        except (ConnectionError, OSError):
+            pass
+
+
+def _known_op(op: str | None) -> str | None:
+    return op if op in fr.REQUESTS else None
+
+
+def _op_label(op: str | None) -> str:
+    # Bounded label values for metrics: a peer cannot mint new ones with made-up op names.
+    return op if op in fr.REQUESTS else "unknown"
+
+

@@ -1,0 +1,175 @@
+"""The disk tier's metadata in RocksDB (rocksdict): where each record's file is, and its header.
+
+One column family, ``blocks``: ``key -> u64le record length || u64le file id || header bytes``;
+the default family holds the layout version (``format``). Small values only: start-up reads this
+and nothing else, and a RocksDB call (which keeps the GIL) never carries a payload.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import struct
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from rocksdict import DBCompressionType, Options, Rdict, WriteBatch, WriteOptions
+
+from kvtier_protocol.errors import KVTierError, StorageError
+
+from kvtier.daemon.store.disk_io import file_bytes
+
+log = logging.getLogger(__name__)
+_LOC = struct.Struct("<QQ")  # record length, file id: the prefix of a meta value
+_BLOCKS = "blocks"
+_FORMAT_KEY, _FORMAT = b"format", b"kvtier-disk/2: a file per block, RocksDB meta"
+
+
+@contextlib.contextmanager
+def storage_errors(what: str) -> Iterator[None]:
+    """Turn RocksDB and file system failures (plain ``Exception`` from rocksdict, OSError) into
+    StorageError. Programming errors (TypeError, ValueError) pass through."""
+    try:
+        yield
+    except (KVTierError, TypeError, ValueError):
+        raise
+    except Exception as e:
+        raise StorageError(f"disk tier {what}: {e}") from e
+
+
+@dataclass(frozen=True, slots=True)
+class Location:
+    """Where a record is: its file, and what the meta entry knows of it."""
+
+    length: int  # record bytes: header + payload
+    fid: int  # the block file's id
+    header: bytes
+
+    @property
+    def payload_len(self) -> int:
+        return self.length - len(self.header)
+
+    @property
+    def file_bytes(self) -> int:
+        return file_bytes(len(self.header), self.payload_len)
+
+    def encode(self) -> bytes:
+        return _LOC.pack(self.length, self.fid) + self.header
+
+    @staticmethod
+    def decode(value: bytes) -> Location:
+        length, fid = _LOC.unpack_from(value)
+        return Location(length, fid, value[_LOC.size:])
+
+
+class MetaDB:
+    """The ``meta`` RocksDB directory of a disk tier.
+
+    A directory of the former layout (whole records in RocksDB directly in the tier's
+    directory) is removed with one log line: the tier is a cache, its records are dropped.
+
+    Raises:
+        StorageError: the database cannot be opened (bad path, permissions, corruption, locked).
+    """
+
+    def __init__(self, tier_path: str, *, sync: bool, max_background_jobs: int, write_buffer_bytes: int) -> None:
+        opts = Options(raw_mode=True)
+        opts.create_if_missing(True)
+        opts.create_missing_column_families(True)
+        opts.set_max_background_jobs(max_background_jobs)
+        opts.set_keep_log_file_num(4)
+        opts.set_max_total_wal_size(4 * write_buffer_bytes)
+        opts.set_write_buffer_size(write_buffer_bytes)
+        opts.set_compression_type(DBCompressionType.none())  # keys are hashes, headers small: no gain
+        self.path = os.path.join(tier_path, "meta")
+        self._write_opts = WriteOptions()
+        self._write_opts.sync = sync
+        with storage_errors(f"open {tier_path}"):
+            os.makedirs(tier_path, exist_ok=True)
+            _drop_old_layout(tier_path)
+            self._db = Rdict(self.path, opts, column_families={_BLOCKS: opts})
+        try:
+            with storage_errors(f"open {tier_path}"):
+                self._blocks = self._db.get_column_family(_BLOCKS)
+                self._cf = self._db.get_column_family_handle(_BLOCKS)
+                self._check_format()
+        except BaseException:
+            self.close()
+            raise
+
+    def get(self, key: bytes) -> Location | None:
+        value = self._blocks.get(key)
+        return None if value is None else Location.decode(value)
+
+    def locate(self, keys: Sequence[bytes]) -> list[Location | None]:
+        return [None if v is None else Location.decode(v) for v in self._blocks.get(list(keys))]
+
+    def entries(self) -> Iterator[tuple[bytes, Location]]:
+        """Every entry, in key order."""
+        for key, value in self._blocks.items():
+            yield key, Location.decode(value)
+
+    def commit(self, puts: Sequence[tuple[bytes, Location]], deletes: Sequence[bytes] = ()) -> None:
+        """Apply puts and deletes in one atomic batch (synced with ``sync``)."""
+        batch = WriteBatch(raw_mode=True)
+        for key, loc in puts:
+            batch.put(key, loc.encode(), self._cf)
+        for key in deletes:
+            batch.delete(key, self._cf)
+        self._db.write(batch, self._write_opts)
+
+    def flush(self) -> None:
+        """Write the memtable to a table file and sync the log."""
+        self._blocks.flush(True)
+        self._db.flush_wal(True)
+
+    def compact(self) -> None:
+        self._blocks.compact_range(None, None)
+
+    def disk_bytes(self) -> int:
+        """Bytes of the database's tables and logs."""
+        total = 0
+        for name in os.listdir(self.path):
+            if name.endswith((".sst", ".log")):
+                with contextlib.suppress(FileNotFoundError):  # removed by a background job meanwhile
+                    total += os.path.getsize(os.path.join(self.path, name))
+        return total
+
+    def close(self) -> None:
+        """Close every handle (rocksdict keeps the database and its lock while any family object
+        lives), even when an earlier one fails.
+
+        Raises:
+            StorageError: the first failure, after everything was released.
+        """
+        first: StorageError | None = None
+        for what in (getattr(self, "_blocks", None), getattr(self, "_db", None)):
+            if what is None:
+                continue
+            try:
+                with storage_errors("close"):
+                    what.close()
+            except StorageError as e:
+                first = first or e
+        if hasattr(self, "_cf"):
+            del self._cf  # a live family handle keeps the database (and its lock) open too
+        if first is not None:
+            raise first
+
+    def _check_format(self) -> None:
+        """Check the layout version (a marker written at creation); a foreign one is dropped."""
+        found = self._db.get(_FORMAT_KEY)
+        if found == _FORMAT:
+            return
+        if found is not None:
+            log.warning("kvtier disk tier: %s holds layout %r, not %r: dropping its records", self.path, found, _FORMAT)
+            self.commit([], list(self._blocks.keys()))
+        self._db.put(_FORMAT_KEY, _FORMAT, self._write_opts)
+
+
+def _drop_old_layout(path: str) -> None:
+    """Remove a database of the former layout (whole records in RocksDB directly in ``path``)."""
+    if os.path.exists(os.path.join(path, "CURRENT")):
+        log.warning("kvtier disk tier: %s holds records of the former RocksDB-records layout: dropping them", path)
+        Rdict.destroy(path, Options(raw_mode=True))

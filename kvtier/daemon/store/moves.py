@@ -1,0 +1,393 @@
+"""Transactional moves between tiers: eviction and demotion (GPU → host → disk), disk writes.
+
+Every method here runs with the store's mutex held, so no other move, commit or delete
+interleaves at an ``await``; a block being moved is also flagged ``moving`` so that a nested
+eviction (a GPU eviction needs host room, which demotes host blocks, which may need disk room)
+never picks it. The rule of every move: the source copy is freed only after the destination copy
+is written and its bytes verified against the header checksum; a failed check or write drops the
+block (a miss later), never serves or keeps bad bytes.
+
+Copies and disk I/O run on the store's thread pool (:mod:`kvtier.daemon.store.transfers`) so the event
+loop stays responsive. This module imports no torch: the GPU tier is reached through its object.
+Promotion into host (the get path) is in :mod:`kvtier.daemon.store.reads`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from kvtier_protocol.errors import StorageError
+
+from kvtier.daemon.store.config import StoreConfig
+from kvtier.daemon.store.disk import DiskTier
+from kvtier.daemon.store.host import HostTier
+from kvtier.daemon.store.index import BlockIndex, BlockMeta
+from kvtier.daemon.store.policy import AdmissionFilter
+from kvtier.daemon.store.stats import EventKind, EventLog, StoreCounters, StoreEvent
+from kvtier.daemon.store.transfers import gpu_snapshot_verified, gpu_to_host, snapshot_verified
+from kvtier.daemon.store.types import NS_ID_LEN, BlockKey, Slot, Tier
+
+if TYPE_CHECKING:
+    from kvtier.daemon.store.gpu import GpuTier
+
+R = TypeVar("R")
+Payload = bytes | memoryview  # a verified payload copy: memoryviews are the disk tier's aligned buffers
+MEMORY_TIERS = (Tier.GPU, Tier.HOST)
+
+
+class Mover:
+    """Moves blocks between the GPU, host and disk tiers for :class:`~kvtier.daemon.store.store.TieredStore`."""
+
+    def __init__(self, cfg: StoreConfig, index: BlockIndex, host: HostTier, disk: DiskTier | None,
+                 gpu: GpuTier | None, counters: StoreCounters, events: EventLog,
+                 admission: AdmissionFilter[BlockKey], pool: ThreadPoolExecutor) -> None:
+        self.cfg = cfg
+        self.index = index
+        self.host = host
+        self.disk = disk
+        self.gpu = gpu
+        self.counters = counters
+        self.events = events
+        self.admission = admission
+        self.pool = pool
+        self.zombies: set[BlockMeta] = set()  # removed while leased: freed at their last release
+
+    async def run(self, fn: Callable[..., R], *args: Any) -> R:
+        """Run blocking work (disk I/O, a large copy) on the I/O pool."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(fn, *args))
+
+    def emit(self, kind: EventKind, tier: Tier, meta: BlockMeta) -> None:
+        events = self.events
+        if events.enabled:
+            key = meta.key  # split_key, inline: this runs per block stored and removed
+            events.append(StoreEvent(kind, tier, key[:NS_ID_LEN], key[NS_ID_LEN:], meta.parent_hash, meta.num_tokens))
+
+    def memory(self, tier: Tier) -> HostTier | GpuTier:
+        """The slot pool of a memory tier (GPU or host)."""
+        if tier is Tier.HOST:
+            return self.host
+        assert tier is Tier.GPU and self.gpu is not None, "GPU slots exist only with a GPU tier"
+        return self.gpu
+
+    # --- memory tiers: slots and eviction -------------------------------------------------------
+
+    def take_slot(self, tier: Tier, nbytes: int) -> Slot | None:
+        """A slot of ``nbytes`` in ``tier`` if one is free now (no eviction); None otherwise.
+
+        Synchronous, so a batch whose room was made beforehand (``make_room``) takes its slots
+        without a coroutine per block; :meth:`allocate` evicts when this finds none.
+        """
+        return self.memory(tier).allocate(nbytes) if self.index.has_room(tier, nbytes) else None
+
+    async def allocate(self, tier: Tier, nbytes: int) -> Slot | None:
+        """A slot of ``nbytes`` in ``tier``, evicting least valuable blocks as needed; None if impossible."""
+        while True:
+            slot = self.take_slot(tier, nbytes)
+            if slot is not None:
+                return slot
+            # With room by the byte count but no free range of the right size (size classes,
+            # fragmentation), free at least one more block and retry.
+            want = nbytes if self.index.has_room(tier, nbytes) else nbytes - self.index.free_bytes(tier)
+            if not await self.evict(tier, want):
+                return None
+
+    async def make_room(self, tier: Tier, nbytes: int) -> None:
+        """Evict for a whole batch at once, so its demotions go down in one copy / one disk write."""
+        short = nbytes - self.index.free_bytes(tier)
+        if short > 0:
+            await self.evict(tier, short)
+
+    async def evict(self, tier: Tier, nbytes: int) -> bool:
+        """Free at least ``nbytes`` of a memory tier (or one block); False when nothing is evictable.
+
+        GPU victims without a host copy are demoted into host; host victims without a GPU copy
+        are demoted to disk when the admission filter lets them.
+        """
+        victims: list[BlockMeta] = []
+        freed = 0
+        for meta in self.index.victims(tier):
+            victims.append(meta)
+            freed += meta.size
+            if freed >= nbytes:
+                break
+        if not victims:
+            return False
+        for meta in victims:
+            self.index.set_moving(meta, True)
+        try:
+            if tier is Tier.GPU:
+                await self._demote_to_host([m for m in victims if m.host_slot is None])
+            else:
+                # A block still in GPU memory goes down later, through host, when the GPU evicts it.
+                await self._demote_to_disk([m for m in victims if m.gpu_slot is None and self.wants_disk(m)])
+        finally:
+            for meta in victims:
+                self.index.set_moving(meta, False)
+        # Only now, with every lower copy written and verified, are these copies freed.
+        for meta in victims:
+            self.free_copy(meta, tier)
+            self.counters.tiers[tier].evictions += 1
+        return True
+
+    def wants_disk(self, meta: BlockMeta) -> bool:
+        """Whether a block leaving memory should be written to disk (admission filter, capacity)."""
+        if self.disk is None or meta.on_disk:
+            return False
+        if not self.admission.admits(meta.accesses):
+            self.counters.admission_rejects += 1
+            self.admission.forget(meta.key, meta.accesses)
+            return False
+        return meta.charge(Tier.DISK) <= self.index.capacity[Tier.DISK]
+
+    def free_copy(self, meta: BlockMeta, tier: Tier, *, announce: bool = True) -> None:
+        """Free the copy of ``meta`` in memory tier ``tier`` (caller checked it is not read); unlink
+        the block if it is left in no tier.
+
+        Args:
+            announce: emit a REMOVED event (False for a copy that was never announced).
+        """
+        slot = self.index.unplace(meta, tier)
+        assert slot is not None, "memory copies have slots"
+        self.memory(tier).free(slot)
+        if announce and meta.committed:
+            self.emit(EventKind.REMOVED, tier, meta)
+        if not meta.tiers:
+            self.index.unlink(meta)
+
+    def free_memory(self, meta: BlockMeta, *, announce: bool = True) -> None:
+        """Free every memory copy of ``meta`` (GPU and host); unlink it if nothing is left."""
+        for tier in MEMORY_TIERS:
+            if meta.in_tier(tier):
+                self.free_copy(meta, tier, announce=announce)
+        if not meta.tiers:
+            self.index.unlink(meta)
+
+    def unlease(self, meta: BlockMeta) -> None:
+        """Drop one lease of ``meta``; a block removed while leased is freed with its last lease."""
+        self.unlease_all((meta,))
+
+    def unlease_all(self, metas: Iterable[BlockMeta]) -> None:
+        """:meth:`unlease` each of ``metas`` (a released get lease: one call, not one per block)."""
+        unlease, zombies = self.index.unlease, self.zombies
+        for meta in metas:
+            unlease(meta)
+            if zombies and meta.leases == 0 and meta in zombies:
+                zombies.discard(meta)
+                self.free_memory(meta, announce=False)  # its removal was announced when it was removed
+
+    async def remove(self, metas: Sequence[BlockMeta]) -> None:
+        """Delete committed blocks from every tier (delete / clear).
+
+        A leased block leaves the index at once but keeps its memory slots, charged, until the
+        last reader releases it.
+        """
+        await self.delete_disk(metas, force=True)
+        for meta in metas:
+            self.counters.deletes += 1
+            if meta.leases:
+                for tier in MEMORY_TIERS:
+                    if meta.in_tier(tier):
+                        self.emit(EventKind.REMOVED, tier, meta)
+                self.index.unlink(meta)
+                self.zombies.add(meta)
+            else:
+                self.free_memory(meta)
+            assert not meta.linked, "removed blocks are unreachable"
+
+    # --- copies out of memory ------------------------------------------------------------------
+
+    async def snapshot(self, metas: Sequence[BlockMeta], checksums: Sequence[int] | None = None) -> list[Payload | None]:
+        """Verified copies of the payloads of ``metas``, from host where a host copy exists, else GPU.
+
+        Host copies go into the disk tier's page-aligned buffers when there is a disk tier: written
+        down in place and given back by :meth:`write_disk`, or freed with their last reference.
+
+        Args:
+            checksums: what to verify against (default: each block's committed checksum).
+
+        Returns:
+            Per block: the payload copy, or None when the copy fails its checksum.
+        """
+        sums = list(checksums) if checksums is not None else [m.checksum for m in metas]
+        out: list[Payload | None] = [None] * len(metas)
+        in_host = [i for i, m in enumerate(metas) if m.host_slot is not None]
+        in_gpu = [i for i, m in enumerate(metas) if m.host_slot is None]
+        if in_host:
+            got = await self.run(snapshot_verified, [self.host.view(metas[i].host_slot) for i in in_host],
+                                 [sums[i] for i in in_host], None if self.disk is None else self.disk.buffers)
+            for i, data in zip(in_host, got):
+                out[i] = data
+        if in_gpu:
+            assert self.gpu is not None and all(metas[i].gpu_slot is not None for i in in_gpu), "memory copies only"
+            got = await self.run(gpu_snapshot_verified, self.gpu, [metas[i].gpu_slot for i in in_gpu],
+                                 [sums[i] for i in in_gpu])
+            for i, data in zip(in_gpu, got):
+                out[i] = data
+        return out
+
+    async def copy_from_gpu(self, metas: list[BlockMeta]) -> list[str]:
+        """Copy GPU copies into the host slots already placed for them; ``"ok"`` / ``"corrupt"`` each."""
+        if not metas:
+            return []
+        assert self.gpu is not None, "blocks are in GPU memory only when a GPU tier exists"
+        return await self.run(gpu_to_host, self.gpu, self.host, [m.gpu_slot for m in metas],
+                              [m.host_slot for m in metas], [m.checksum for m in metas])
+
+    # --- demotion ------------------------------------------------------------------------------
+
+    async def _demote_to_host(self, metas: list[BlockMeta]) -> None:
+        """Copy GPU victims into host slots (verified). Their GPU copies are freed by the caller;
+        a victim that gets no host slot or fails verification is left to be dropped with it."""
+        if not metas:
+            return
+        await self.make_room(Tier.HOST, sum(m.size for m in metas))
+        placed: list[BlockMeta] = []
+        try:
+            for meta in metas:
+                slot = await self.allocate(Tier.HOST, meta.size)
+                if slot is None:
+                    break
+                self.index.place(meta, Tier.HOST, slot)
+                placed.append(meta)
+            results = await self.copy_from_gpu(placed)
+        except BaseException:
+            for meta in placed:  # roll back: the GPU copies are untouched
+                self.free_copy(meta, Tier.HOST, announce=False)
+            raise
+        c = self.counters
+        for meta, result in zip(placed, results):
+            if result == "ok":
+                c.demotions += 1
+                c.tiers[Tier.GPU].demotions += 1
+                c.tiers[Tier.GPU].bytes_out += meta.size
+                c.tiers[Tier.HOST].bytes_in += meta.size
+                self.index.mark_host_checked(meta)  # verified as it was copied down
+                self.emit(EventKind.STORED, Tier.HOST, meta)
+            else:
+                c.checksum_failures += 1  # the GPU copy is bad: drop it, never keep it below
+                self.free_copy(meta, Tier.HOST, announce=False)
+
+    async def _demote_to_disk(self, metas: list[BlockMeta]) -> None:
+        """Write host blocks to disk, verified on the way. Their host copies are freed by the caller."""
+        if not metas:
+            return
+        written = await self.write_disk_verified(metas)
+        c = self.counters
+        c.demotions += len(written)
+        c.tiers[Tier.HOST].demotions += len(written)
+        c.tiers[Tier.HOST].bytes_out += sum(m.size for m in written)
+
+    # --- disk ----------------------------------------------------------------------------------
+
+    async def write_disk_verified(self, metas: Sequence[BlockMeta]) -> list[BlockMeta]:
+        """Write the host copies of committed blocks to disk through verified snapshots
+        (:meth:`DiskTier.put_verified`: one copy per block, each overlapped with the write of the
+        one before); returns the blocks written. A copy that fails its checksum is counted and
+        not written; blocks that do not fit or whose write fails are left without a disk copy.
+        """
+        assert self.disk is not None, "callers check the disk tier exists"
+        batch = await self._room_on_disk(metas)
+        if not batch:
+            return []
+        items = [(m.key, m.header, self.host.view(m.host_slot), m.checksum) for m in batch]
+        try:
+            stored = await self.run(self.disk.put_verified, items)
+        except StorageError:
+            self.counters.storage_errors += 1
+            return []
+        self.counters.checksum_failures += stored.count(False)  # a bad host copy: never written down
+        written = [m for m, ok in zip(batch, stored) if ok]
+        self._placed_on_disk(written, announce=True)
+        return written
+
+    async def write_disk(self, items: Sequence[tuple[BlockMeta, Payload]], *, announce: bool = True) -> list[BlockMeta]:
+        """Write verified payloads (from :meth:`snapshot`) of committed blocks to disk; returns the
+        blocks written. The payload buffers go back to the disk tier's pool.
+
+        Blocks that do not fit (after evicting disk LRU blocks) or whose write fails are left
+        without a disk copy.
+
+        Args:
+            announce: emit STORED events (False when the caller announces the blocks itself).
+        """
+        assert self.disk is not None, "callers check the disk tier exists"
+        try:
+            payload_of = dict(items)
+            batch = await self._room_on_disk([m for m, _ in items])
+            if not batch:
+                return []
+            try:
+                await self.run(self.disk.put_many, [(m.key, m.header, payload_of[m]) for m in batch])
+            except StorageError:
+                self.counters.storage_errors += 1
+                return []
+        finally:
+            for _, payload in items:
+                if isinstance(payload, memoryview):
+                    self.disk.buffers.give_back(payload)
+        self._placed_on_disk(batch, announce=announce)
+        return batch
+
+    async def _room_on_disk(self, metas: Sequence[BlockMeta]) -> list[BlockMeta]:
+        """The blocks of ``metas`` that fit on disk, in order, after evicting disk LRU blocks."""
+        batch: list[BlockMeta] = []
+        batch_bytes = 0
+        for meta in metas:
+            if await self.make_room_disk(batch_bytes + meta.charge(Tier.DISK)):
+                batch.append(meta)
+                batch_bytes += meta.charge(Tier.DISK)
+        return batch
+
+    def _placed_on_disk(self, metas: list[BlockMeta], *, announce: bool) -> None:
+        for meta in metas:
+            self.index.place(meta, Tier.DISK)
+            self.counters.tiers[Tier.DISK].bytes_in += meta.charge(Tier.DISK)
+            if announce:
+                self.emit(EventKind.STORED, Tier.DISK, meta)
+
+    async def make_room_disk(self, nbytes: int) -> bool:
+        """Evict least valuable disk blocks until ``nbytes`` fit; False if they never can."""
+        if self.index.has_room(Tier.DISK, nbytes):
+            return True
+        need = nbytes - self.index.free_bytes(Tier.DISK)
+        victims, freed = [], 0
+        for meta in self.index.victims(Tier.DISK):
+            victims.append(meta)
+            freed += meta.charge(Tier.DISK)
+            if freed >= need:
+                break
+        if freed < need:
+            return False
+        if not await self.delete_disk(victims):
+            return False
+        self.counters.tiers[Tier.DISK].evictions += len(victims)
+        return True
+
+    async def delete_disk(self, metas: Sequence[BlockMeta], *, force: bool = False) -> bool:
+        """Remove the disk copies of ``metas``; unlink those left in no tier.
+
+        Args:
+            force: on an I/O error, forget the copies anyway (their records become orphans for
+                ``check``); without it the index keeps them and False is returned.
+        """
+        metas = [m for m in metas if m.on_disk]
+        if not metas:
+            return True
+        assert self.disk is not None, "blocks are on disk only when a disk tier exists"
+        try:
+            await self.run(self.disk.delete_many, [m.key for m in metas])
+        except StorageError:
+            self.counters.storage_errors += 1
+            if not force:
+                return False
+        for meta in metas:
+            self.index.unplace(meta, Tier.DISK)
+            if meta.committed:
+                self.emit(EventKind.REMOVED, Tier.DISK, meta)
+            if not meta.tiers:
+                self.index.unlink(meta)
+        return True

@@ -1,0 +1,192 @@
+"""The put path of the store: reserve host or GPU slots, then commit what the client wrote into them;
+or grant slots without keys ahead of time, then place the blocks the client wrote into them.
+
+Runs with the store's mutex held; the store validates every argument before calling in.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+
+from kvtier_protocol.header import BlockHeader
+
+from kvtier.daemon.store.config import StoreConfig
+from kvtier.daemon.store.index import BlockIndex, BlockMeta
+from kvtier.daemon.store.lease import Lease, LeaseKind, LeaseTable
+from kvtier.daemon.store.moves import Mover
+from kvtier.daemon.store.policy import AdmissionFilter
+from kvtier.daemon.store.results import PlaceStatus, PutStatus, Reservation
+from kvtier.daemon.store.stats import EventKind, StoreCounters
+from kvtier.daemon.store.types import GRANT_NS, BlockKey, Slot, Tier
+
+_GPU, _HOST = Tier.GPU, Tier.HOST  # module constants: Enum member access is a slow path in Python 3.11
+_STORED = EventKind.STORED
+
+
+class BlockWriter:
+    """Reservations and commits for :class:`~kvtier.daemon.store.store.TieredStore`."""
+
+    def __init__(self, cfg: StoreConfig, index: BlockIndex, mover: Mover, leases: LeaseTable[BlockMeta],
+                 admission: AdmissionFilter[BlockKey], counters: StoreCounters, now: Callable[[], float]) -> None:
+        self.cfg = cfg
+        self.index = index
+        self.mover = mover
+        self.leases = leases
+        self.admission = admission
+        self.counters = counters
+        self.now = now
+        self._placeholders = itertools.count(1)
+
+    async def reserve(self, keys: list[BlockKey], sizes: list[int], ttl: float, priority: int,
+                      tier: Tier, kind: LeaseKind = LeaseKind.PUT) -> Reservation:
+        """Slots of memory tier ``tier`` for the new keys, in order, until one does not fit
+        (see ``TieredStore.reserve``)."""
+        now = self.now()
+        new_bytes = 0
+        for key, size in zip(keys, sizes):
+            meta = self.index.get(key)
+            if meta is None:
+                new_bytes += size
+            elif meta.committed:
+                self.index.touch(meta, now)  # first, so that making room below does not evict it
+        await self.mover.make_room(tier, new_bytes)
+        status: list[PutStatus] = []
+        blocks: list[BlockMeta | None] = []
+        slots: list[Slot | None] = []
+        full = False
+        index, mover = self.index, self.mover
+        recall, add_reserved = self.admission.recall, index.add_reserved
+        for key, size in zip(keys, sizes):
+            meta = index.get(key)
+            if meta is not None:
+                status.append(PutStatus.STORED if meta.committed else PutStatus.PENDING)
+                blocks.append(None)
+                slots.append(None)
+                continue
+            # After make_room the slots usually fit as they are (take_slot); allocate evicts.
+            slot = None if full else mover.take_slot(tier, size)
+            if slot is None and not full:
+                slot = await mover.allocate(tier, size)
+            if slot is None:
+                full = True
+                status.append(PutStatus.FULL)
+                blocks.append(None)
+                slots.append(None)
+                continue
+            blocks.append(add_reserved(key, size, tier, slot, priority, recall(key)))
+            status.append(PutStatus.RESERVED)
+            slots.append(slot)
+        if not any(m is not None for m in blocks):
+            return Reservation(0, slots, status, tier=tier)
+        lease = self.leases.open(kind, keys, blocks, now + ttl)
+        return Reservation(lease.lease_id, slots, status, lease.expires_at, tier)
+
+    async def grant(self, sizes: list[int], ttl: float, priority: int, tier: Tier) -> Reservation:
+        """Slots of memory tier ``tier`` without keys yet (see ``TieredStore.grant``).
+
+        Each granted slot is a reserved block under a fresh placeholder key ``GRANT_NS || n``:
+        eviction, capacity, expiry, release and the audit then treat it exactly as any
+        reservation, and :meth:`place` only renames it.
+        """
+        width = self.cfg.hash_bytes
+        keys = [BlockKey(GRANT_NS + next(self._placeholders).to_bytes(width, "big")) for _ in sizes]
+        return await self.reserve(keys, sizes, ttl, priority, tier, LeaseKind.GRANT)
+
+    async def place(self, lease_id: int, metas: Sequence[BlockMeta], keys: Sequence[BlockKey],
+                    headers: Sequence[bytes], parsed: Sequence[BlockHeader], *,
+                    checked: bool = False) -> list[PlaceStatus]:
+        """Make the blocks written into granted slots visible (see ``TieredStore.place``):
+        rename each slot's placeholder ``metas[i]`` (already taken out of its grant, so that
+        expiry cannot reclaim it meanwhile) to ``keys[i]`` and commit them as one reservation."""
+        index = self.index
+        blocks: list[BlockMeta | None] = []
+        for meta, key in zip(metas, keys):
+            if index.get(key) is not None:  # stored, or another client is writing it: not twice
+                index.unlease(meta)
+                self.abandon(meta)
+                blocks.append(None)
+            else:
+                index.rename(meta, key, self.admission.recall(key))
+                blocks.append(meta)
+        put = Lease(lease_id, LeaseKind.PUT, list(keys), blocks, self.now(), [b for b in blocks if b is not None])
+        ok = await self.commit(put, headers, [h if b is not None else None for h, b in zip(parsed, blocks)],
+                               checked=checked)
+        return [PlaceStatus.EXISTS if b is None else PlaceStatus.PLACED if good else PlaceStatus.FAILED
+                for b, good in zip(blocks, ok)]
+
+    async def commit(self, lease: Lease[BlockMeta], headers: Sequence[bytes | None],
+                     parsed: Sequence[BlockHeader | None], *, checked: bool = False) -> list[bool]:
+        """Commit the blocks of a put lease the caller already took out of the lease table
+        (``checked``: the caller verified every payload in its slot, see ``TieredStore.commit``).
+
+        With ``verify_on_commit`` or write-through, each payload is copied out of its slot (host
+        or GPU) and verified first; write-through then writes the verified copies to disk and
+        only blocks that reached the disk are acknowledged.
+        """
+        cfg = self.cfg
+        verify = cfg.verify_on_commit or cfg.write_through
+        if not verify:
+            return self._commit_trusted(lease, headers, parsed, checked)
+        todo = [(i, meta, buf, h) for i, (meta, buf, h) in enumerate(zip(lease.blocks, headers, parsed))
+                if meta is not None and buf is not None and h is not None]
+        payloads: list[bytes | None] = [None] * len(todo)
+        if todo:
+            payloads = await self.mover.snapshot([m for _, m, _, _ in todo], [h.checksum for _, _, _, h in todo])
+        now = self.now()
+        committed: list[tuple[BlockMeta, bytes]] = []
+        for (_, meta, buf, h), payload in zip(todo, payloads):
+            if payload is None:
+                self.counters.checksum_failures += 1
+                continue
+            self.index.commit(meta, bytes(buf), h.parent_hash, h.num_tokens, h.checksum, now)
+            if meta.host_slot is not None:
+                self.index.mark_host_checked(meta)
+            committed.append((meta, payload))
+        if cfg.write_through and committed:
+            await self.mover.write_disk(committed, announce=False)
+        ok = [False] * len(lease.keys)
+        for i, meta, _, _ in todo:
+            ok[i] = meta.committed and (meta.on_disk or not cfg.write_through)
+        for i, meta in enumerate(lease.blocks):
+            if meta is not None:
+                self.index.unlease(meta)
+                if ok[i]:
+                    self._announce(meta)
+                else:
+                    self.abandon(meta)
+        return ok
+
+    def _commit_trusted(self, lease: Lease[BlockMeta], headers: Sequence[bytes | None],
+                        parsed: Sequence[BlockHeader | None], checked: bool) -> list[bool]:
+        """The commit of :meth:`commit` without ``verify_on_commit`` or write-through: nothing to
+        copy or await, each block committed, unleased and announced in one pass."""
+        now = self.now()
+        ok = [False] * len(lease.keys)
+        commit_reserved = self.index.commit_reserved
+        for i, (meta, buf, h) in enumerate(zip(lease.blocks, headers, parsed)):
+            if meta is None:
+                continue
+            if buf is None or h is None:  # abandoned by the client
+                self.index.unlease(meta)
+                self.abandon(meta)
+                continue
+            commit_reserved(meta, bytes(buf), h.parent_hash, h.num_tokens, h.checksum, now, checked=checked)
+            ok[i] = True
+            self._announce(meta)
+        return ok
+
+    def _announce(self, meta: BlockMeta) -> None:
+        c = self.counters
+        c.commits += 1
+        tier = _GPU if meta.gpu_slot is not None else _HOST  # where it was reserved
+        c.tiers[tier].bytes_in += meta.size
+        self.mover.emit(_STORED, tier, meta)
+        if meta.on_disk:
+            c.write_throughs += 1
+            self.mover.emit(_STORED, Tier.DISK, meta)
+
+    def abandon(self, meta: BlockMeta) -> None:
+        """Drop a block that did not make it: abandoned, bad payload, failed write-through, expired."""
+        assert not meta.on_disk and not meta.leases, "only unacknowledged, unleased memory copies are abandoned"
+        self.mover.free_memory(meta, announce=False)  # in no tier afterwards, so unlinked too

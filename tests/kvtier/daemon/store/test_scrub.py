@@ -1,0 +1,76 @@
+"""The commit scrubber: committed host copies are checked once, off the request path; a copy that
+does not match its checksum is deleted and counted, never reported checked."""
+
+from __future__ import annotations
+
+from kvtier.daemon.store.types import Tier
+from tests.kvtier.daemon.store.storekit import BLOCK, NS, get, make_rec, put
+
+
+def hashes(recs):
+    return [r.chain_hash for r in recs]
+
+
+async def checked_flags(store, recs):
+    acq = await store.acquire(NS, hashes(recs))
+    try:
+        return [b.checked for b in acq.blocks]
+    finally:
+        if acq.lease_id:
+            store.release(acq.lease_id)
+
+
+async def test_committed_host_copies_become_checked(open_store):
+    store = await open_store()
+    recs = [make_rec(i) for i in range(4)]
+    assert await put(store, recs) == [True] * 4
+    await store.drain_scrub()
+    assert await checked_flags(store, recs) == [True] * 4
+    assert store.counters.checksum_failures == 0
+    assert await get(store, NS, hashes(recs)) == [(r.header, r.payload) for r in recs]
+
+
+async def test_a_payload_that_does_not_match_its_header_is_deleted_not_checked(open_store):
+    store = await open_store()
+    recs = [make_rec(i) for i in range(3)]
+    res = await store.reserve(NS, hashes(recs), [BLOCK] * 3)
+    for i, (rec, slot) in enumerate(zip(recs, res.slots)):
+        payload = bytearray(rec.payload)
+        if i == 1:
+            payload[100] ^= 0x40  # the client wrote other bytes than it checksummed
+        store.host.view(slot)[:] = payload
+    assert await store.commit(res.lease_id, [r.header for r in recs]) == [True] * 3
+    await store.drain_scrub()
+    assert store.counters.checksum_failures == 1
+    assert store.lookup(NS, hashes(recs)).num_hits == 1  # the prefix ends before the bad block
+    assert store.lookup(NS, [recs[2].chain_hash]).num_hits == 1  # the good one after it stays
+    assert await checked_flags(store, recs) == [True]
+    assert store.index.accounting_errors() == []
+
+
+async def test_without_scrub_commits_nothing_is_reported_checked(open_store):
+    store = await open_store(scrub_commits=False)
+    recs = [make_rec(i) for i in range(2)]
+    await put(store, recs)
+    await store.drain_scrub()  # returns at once
+    assert await checked_flags(store, recs) == [False, False]
+
+
+async def test_promoted_copies_are_checked_and_eviction_forgets_the_mark(open_store):
+    store = await open_store(host_bytes=2 * BLOCK, host_segment_bytes=2 * BLOCK, scrub_commits=False)
+    recs = [make_rec(i) for i in range(4)]
+    for r in recs:
+        await put(store, [r])  # 0 and 1 are demoted to disk, never checked in host
+    # 0 and 1 come back from disk: verified on the way in, so reported checked.
+    assert await checked_flags(store, recs[:2]) == [True, True]
+    evicted = [m for m in store.index.blocks() if m.host_slot is None]
+    assert evicted and all(not m.host_checked for m in evicted)
+
+
+async def test_a_gpu_reserved_block_is_not_scrubbed_in_host(open_store):
+    store = await open_store(gpu_bytes=4 * BLOCK, gpu_device="cpu")
+    rec = make_rec(0)
+    assert await put(store, [rec], tier=Tier.GPU) == [True]
+    await store.drain_scrub()
+    meta = next(iter(store.index.blocks()))
+    assert meta.host_slot is None and not meta.host_checked

@@ -1,0 +1,49 @@
+"""protocol/kvtier_protocol/buffers.py: inline payload buffers are reused, but never while a view of one is alive."""
+
+from __future__ import annotations
+
+from kvtier_protocol.buffers import PAGE, PayloadBuffers
+
+MiB = 1 << 20
+
+
+def test_a_buffer_given_back_is_handed_out_again_for_a_payload_of_about_its_size() -> None:
+    pool = PayloadBuffers(keep_bytes=64 * MiB)
+    m = pool.take(3 * MiB + 1)
+    assert len(m) == 3 * MiB + PAGE  # whole pages
+    pool.give(m)
+    assert pool.take(2 * MiB) is m  # within 2x: reused
+    pool.give(m)
+    assert pool.take(MiB) is not m  # more than twice the payload: a buffer of its own
+    assert (pool.made, pool.reused) == (2, 1)
+
+
+def test_a_buffer_is_not_handed_out_again_while_a_view_of_it_lives() -> None:
+    pool = PayloadBuffers(keep_bytes=64 * MiB)
+    m = pool.take(2 * MiB)
+    view = memoryview(m)[:2 * MiB].toreadonly()  # e.g. a record some code kept by mistake
+    m[:5] = b"bytes"
+    pool.give(m)
+    other = pool.take(2 * MiB)
+    assert other is not m  # the kept view never sees its bytes change
+    other[:5] = b"xxxxx"
+    assert bytes(view[:5]) == b"bytes"
+    view.release()
+    pool.give(other)
+    assert pool.take(2 * MiB) in (m, other)  # both free now
+
+
+def test_the_pool_keeps_at_most_keep_bytes_dropping_the_largest() -> None:
+    pool = PayloadBuffers(keep_bytes=5 * MiB)
+    a, b, c = pool.take(MiB), pool.take(2 * MiB), pool.take(4 * MiB)
+    for m in (a, b, c):
+        pool.give(m)
+    assert pool.free_bytes == 3 * MiB and c.closed  # the 4 MiB one went: 7 MiB > 5 MiB
+    big = pool.take(8 * MiB)
+    view = memoryview(big)  # a response still being written, say
+    pool.give(big)  # over budget: dropped from the pool, but not unmapped under the view
+    assert pool.free_bytes == 3 * MiB and not big.closed
+    view[:1] = b"x"  # still mapped
+    view.release()
+    pool.close()
+    assert pool.free_bytes == 0 and a.closed

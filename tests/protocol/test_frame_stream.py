@@ -1,0 +1,152 @@
+"""protocol/kvtier_protocol/frame_stream.py: the reading end of a data-plane connection over real connected sockets (a socketpair
+accepted by the running loop, as the listener's connections are): small reads out of the scratch
+buffer, payloads received in place, flow control, and the ways a stream ends."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+
+from kvtier_protocol.buffers import PayloadBuffers
+from kvtier_protocol.frame_stream import POOLED_PAYLOAD_BYTES, SCRATCH_BYTES, FrameStream, read_frame
+from kvtier_protocol import frames as fr
+from kvtier_protocol.errors import Truncated
+
+LIMIT = 256 << 10
+
+
+@asynccontextmanager
+async def stream_pair() -> AsyncIterator[tuple[FrameStream, asyncio.StreamWriter, socket.socket]]:
+    """A FrameStream on one end of a socketpair, and the other end (blocking) for the test."""
+    ours, theirs = socket.socketpair()
+    made: asyncio.Future[tuple[FrameStream, asyncio.StreamWriter]] = asyncio.get_running_loop().create_future()
+
+    async def on_connect(stream: FrameStream, writer: asyncio.StreamWriter) -> None:
+        made.set_result((stream, writer))
+
+    loop = asyncio.get_running_loop()
+    await loop.connect_accepted_socket(lambda: FrameStream(LIMIT, on_connect), ours)
+    stream, writer = await made
+    try:
+        yield stream, writer, theirs
+    finally:
+        writer.close()
+        theirs.close()
+
+
+async def _send(sock: socket.socket, data: bytes) -> None:
+    await asyncio.to_thread(sock.sendall, data)
+
+
+async def test_small_reads_come_out_of_the_buffer_across_arrivals() -> None:
+    async with stream_pair() as (stream, _, peer):
+        await _send(peer, b"abc")
+        read = asyncio.create_task(stream.readexactly(5))
+        await asyncio.sleep(0.01)
+        assert not read.done()  # waits for the rest
+        await _send(peer, b"defgh")
+        assert await read == b"abcde"
+        assert await stream.readexactly(3) == b"fgh"
+
+
+async def test_a_payload_is_received_in_place_after_what_was_buffered_ahead() -> None:
+    payload = os.urandom(3 * SCRATCH_BYTES + 17)
+    async with stream_pair() as (stream, _, peer):
+        sender = asyncio.create_task(_send(peer, b"HEAD" + payload + b"NEXT"))
+        assert await stream.readexactly(4) == b"HEAD"
+        body = bytearray(len(payload))
+        await stream.read_into(memoryview(body))
+        assert body == payload
+        assert await stream.readexactly(4) == b"NEXT"  # the next frame's bytes were not swallowed
+        await sender
+
+
+async def test_a_payload_bigger_than_the_limit_while_the_reader_is_slow() -> None:
+    payload = os.urandom(8 * LIMIT)
+    async with stream_pair() as (stream, _, peer):
+        sender = asyncio.create_task(_send(peer, payload))
+        await asyncio.sleep(0.05)  # the reader is late: reading pauses past LIMIT buffered
+        assert len(stream._buf) <= LIMIT + SCRATCH_BYTES
+        body = bytearray(len(payload))
+        await stream.read_into(memoryview(body))  # resumes, receives the rest in place
+        assert body == payload
+        await sender
+
+
+async def test_a_stream_ending_inside_a_read_is_an_incomplete_read() -> None:
+    async with stream_pair() as (stream, _, peer):
+        await _send(peer, b"12")
+        peer.shutdown(socket.SHUT_WR)
+        with pytest.raises(asyncio.IncompleteReadError) as info:
+            await stream.readexactly(4)
+        assert info.value.partial == b"12"
+    async with stream_pair() as (stream, _, peer):
+        await _send(peer, b"x" * 1000)
+        peer.shutdown(socket.SHUT_WR)
+        with pytest.raises(asyncio.IncompleteReadError):
+            await stream.read_into(memoryview(bytearray(SCRATCH_BYTES * 2)))
+    async with stream_pair() as (stream, _, peer):
+        peer.shutdown(socket.SHUT_WR)
+        with pytest.raises(asyncio.IncompleteReadError) as info:
+            await stream.readexactly(1)
+        assert info.value.partial == b""  # ended between frames
+
+
+async def test_a_reset_connection_raises_its_error() -> None:
+    async with stream_pair() as (stream, _, peer):
+        read = asyncio.create_task(stream.read_into(memoryview(bytearray(1 << 20))))
+        await _send(peer, b"partial")
+        peer.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        peer.close()  # RST (linger 0): on a unix socketpair an ordinary close
+        with pytest.raises((ConnectionError, asyncio.IncompleteReadError)):
+            await read
+
+
+async def test_the_writer_writes_and_drains_through_the_same_transport() -> None:
+    async with stream_pair() as (stream, writer, peer):
+        big = os.urandom(4 << 20)  # more than the socket buffers: drain waits for the reader
+        writer.write(big)
+        received = asyncio.create_task(asyncio.to_thread(_recv_all, peer, len(big)))
+        await writer.drain()
+        assert await received == big
+        writer.close()
+        await writer.wait_closed()
+
+
+def _recv_all(sock: socket.socket, n: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        chunk = sock.recv(n - len(out))
+        assert chunk, "closed early"
+        out += chunk
+    return bytes(out)
+
+
+async def test_read_frame_takes_small_payloads_as_they_come_and_large_ones_in_place() -> None:
+    big = os.urandom(POOLED_PAYLOAD_BYTES + 5)
+    frames = [fr.encode_frame_bytes({"op": "ping", "id": 1}),
+              fr.encode_frame_bytes({"op": "put", "id": 2}, b"small"),
+              fr.encode_frame_bytes({"op": "put", "id": 3}, big)]
+    limits = fr.Limits(max_payload_len=1 << 30)
+    pool = PayloadBuffers(keep_bytes=16 << 20)
+    async with stream_pair() as (stream, _, peer):
+        sender = asyncio.create_task(_send(peer, b"".join(frames)))  # more than the socket buffers
+        got = [await read_frame(stream, limits, pool) for _ in frames]
+        await sender
+        assert [f.header["id"] for f in got] == [1, 2, 3]
+        assert got[0].payload is None and bytes(got[1].payload) == b"small" and bytes(got[2].payload) == big
+        assert pool.made == 1  # only the large one took a pooled buffer
+        sender = asyncio.create_task(_send(peer, frames[2][:-7]))
+        with pytest.raises(Truncated):
+            await asyncio.gather(read_frame(stream, limits, pool), _shut_after(sender, peer))
+        assert bytes(got[2].payload) == big  # the earlier frame's buffer was not handed out again
+
+
+async def _shut_after(sender: asyncio.Task[None], sock: socket.socket) -> None:
+    await sender
+    sock.shutdown(socket.SHUT_WR)

@@ -6,7 +6,8 @@ config.json, revision from a digest of its weights). Engine adapters (the refere
 vLLM, SGLang, HF transformers) are thin layers over these.
 """
 
-from kvtier.connector.core import KVConnectorCore, default_address
+from kvtier_protocol.address import default_address
+from kvtier.connector.core import KVConnectorCore
 from kvtier.connector.jobs import JobResult
 from kvtier.connector.namespace import checkpoint_digest, geometry_from_config, namespace_for_checkpoint
 from kvtier.connector.pages import PAGE_LAYOUTS, PageLayout, gather_block, get_page_layout

@@ -18,7 +18,6 @@ every decoded block must have the namespace's geometry and dtype.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,7 +31,7 @@ from kvtier_protocol.wire_checks import PRIORITY_MAX, PRIORITY_MIN
 
 from kvtier.client import Client, ClientOptions
 from kvtier.client.records import check_hashes
-from kvtier_protocol.address import default_data_dir, default_socket
+from kvtier_protocol.address import default_address
 from kvtier.connector.blocks import expected_shape, kv_dtype, token_info
 from kvtier.connector.jobs import JobResult, JobRunner
 from kvtier.connector.pages import check_caches, gather_blocks, get_page_layout, host_views, page_index
@@ -45,12 +44,6 @@ def check_priority(priority: int) -> None:
     if type(priority) is not int or not PRIORITY_MIN <= priority <= PRIORITY_MAX:
         raise InvalidRequest(f"priority must be an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}], got {priority!r}")
 
-
-def default_address(env: dict[str, str] | None = None) -> str:
-    """The daemon's socket as the daemon itself defaults it: ``$KVTIER_SOCKET``, else
-    ``$XDG_RUNTIME_DIR/kvtier/kvtier.sock``, ``/run/kvtier/kvtier.sock`` or ``<data dir>/kvtier.sock``."""
-    env = dict(os.environ) if env is None else env
-    return env.get("KVTIER_SOCKET") or default_socket(env, env.get("KVTIER_DATA_DIR") or default_data_dir(env))
 
 
 class KVConnectorCore:

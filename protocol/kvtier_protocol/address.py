@@ -7,7 +7,11 @@ Accepted spellings::
     tcp://127.0.0.1:7470              TCP
     127.0.0.1:7470, [::1]:7470        TCP without the scheme
 
-Torch-free and stdlib-only, like the rest of :mod:`kvtier.client`'s import path.
+Where a daemon listens when nobody says (:func:`default_socket`) and where a client looks for it
+(:func:`default_address`) come from the same functions, so ``kvtier serve`` on its defaults and a
+client, a CLI command or a connector on theirs meet at the same socket.
+
+Stdlib only: the daemon and every engine-side package import it.
 """
 
 from __future__ import annotations
@@ -107,3 +111,18 @@ def default_socket(env: Mapping[str, str], data_dir: str) -> str:
     if os.access(run, os.W_OK | os.X_OK) or not os.path.exists(run) and os.access("/run", os.W_OK | os.X_OK):
         return os.path.join(run, "kvtier.sock")
     return os.path.join(data_dir, "kvtier.sock")
+
+
+def default_address(env: Mapping[str, str] | None = None) -> str:
+    """Where a client finds the daemon when it is given no address.
+
+    ``$KVTIER_ADDRESS`` (any spelling :func:`parse_address` accepts), else ``$KVTIER_SOCKET`` (the
+    variable that moves the daemon's own socket), else the socket a daemon started with the same
+    environment listens on by default (:func:`default_socket` under ``$KVTIER_DATA_DIR`` or
+    :func:`default_data_dir`).
+    """
+    env = os.environ if env is None else env
+    explicit = env.get("KVTIER_ADDRESS") or env.get("KVTIER_SOCKET")
+    if explicit:
+        return explicit
+    return "unix:" + default_socket(env, env.get("KVTIER_DATA_DIR") or default_data_dir(env))

@@ -45,3 +45,19 @@ def test_kind_helpers() -> None:
     assert parse_address("/a.sock").is_unix
     assert not parse_address("h:1").is_unix
     assert str(parse_address("[::1]:9")) == "tcp://[::1]:9"
+
+
+def test_default_address_is_where_the_daemon_listens_by_default(tmp_path) -> None:
+    from kvtier_protocol.address import default_address, default_socket
+
+    env = {"XDG_RUNTIME_DIR": str(tmp_path)}
+    assert default_address(env) == "unix:" + default_socket(env, "/unused")
+    assert parse_address(default_address(env)).path == str(tmp_path / "kvtier" / "kvtier.sock")
+
+
+def test_default_address_takes_kvtier_address_then_kvtier_socket() -> None:
+    from kvtier_protocol.address import default_address
+
+    env = {"XDG_RUNTIME_DIR": "/x", "KVTIER_SOCKET": "/s/kvtier.sock"}
+    assert default_address(env) == "/s/kvtier.sock"
+    assert default_address({**env, "KVTIER_ADDRESS": "tcp://127.0.0.1:7470"}) == "tcp://127.0.0.1:7470"

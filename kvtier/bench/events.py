@@ -40,7 +40,7 @@ import msgpack
 import zmq
 
 from kvtier.bench.report import Row, Samples, SuiteResult, Timer, alternate, progress, throughput_row
-from kvtier.daemon.config.settings import EventsConfig
+from kvtier.daemon.config import EventsConfig
 from kvtier.daemon.server.event_translate import BlockTokens, EventTranslator
 from kvtier.daemon.server.events import EventHub
 from kvtier.daemon.store.stats import EventKind, StoreEvent

@@ -1,7 +1,7 @@
 """A minimal JSON client of the daemon's REST API for the admin commands (standard library only).
 
 Where the daemon is and which token to send come from, first to last: the command's flags,
-``$KVTIER_REST``, the daemon configuration (``kvtier.daemon.config.settings.load_config``: ``--config`` or
+``$KVTIER_REST``, the daemon configuration (``kvtier.daemon.config.load_config``: ``--config`` or
 ``$KVTIER_CONFIG``, ``KVTIER_*`` variables, embedded defaults), then ``http://127.0.0.1:7471``.
 Proxies are never used: the daemon listens on a local address.
 """
@@ -159,7 +159,7 @@ def _decode(raw: bytes, base: str, *, strict: bool = True) -> Any:
 
 def _load_config(path: str | None, env: dict[str, str]) -> Any:
     """The daemon configuration, or None when none can be built and none was asked for."""
-    from kvtier.daemon.config.settings import ConfigError, load_config
+    from kvtier.daemon.config import ConfigError, load_config
 
     try:
         return load_config(path, env=env)

@@ -1,7 +1,7 @@
 """``kvtier serve``: run the daemon (kvtierd) in the foreground.
 
 Flags override the ``KVTIER_*`` environment, which overrides the TOML file (``--config``), which
-overrides the embedded defaults (:mod:`kvtier.daemon.config.settings`). Also runnable as
+overrides the embedded defaults (:mod:`kvtier.daemon.config`). Also runnable as
 ``python -m kvtier.commands.serve [flags]``.
 """
 
@@ -49,7 +49,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def overrides_from(args: argparse.Namespace) -> dict[str, object]:
-    """The options the flags set, as ``{"section.key": text}`` for :func:`kvtier.daemon.config.settings.load_config`."""
+    """The options the flags set, as ``{"section.key": text}`` for :func:`kvtier.daemon.config.load_config`."""
     return {option: getattr(args, option) for _, option, _, _ in FLAGS if getattr(args, option) is not None}
 
 
@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     import logging
     import os
 
-    from kvtier.daemon.config.settings import ConfigError, load_config
+    from kvtier.daemon.config import ConfigError, load_config
 
     try:
         config = load_config(args.config, overrides=overrides_from(args))

@@ -259,7 +259,7 @@ def geometry_from_args(args: argparse.Namespace) -> KVGeometry:
 
 def run(args: argparse.Namespace) -> int:
     """Print the figures; exit status 2 on bad input."""
-    from kvtier.daemon.config.settings import ConfigError, load_config
+    from kvtier.daemon.config import ConfigError, load_config
 
     from kvtier_protocol.codec_plan import CODECS
 

@@ -178,7 +178,7 @@ def rest_body_input(ns: Namespace) -> Callable[[bytes], None]:
 
 def toml_input(work: str) -> Callable[[bytes], None]:
     """A TOML config file through ``load_config`` (defaults resolved inside ``work``)."""
-    from kvtier.daemon.config.settings import load_config
+    from kvtier.daemon.config import load_config
 
     path = os.path.join(work, "fuzz.toml")
     env = {"HOME": work, "XDG_RUNTIME_DIR": work}
@@ -193,7 +193,7 @@ def toml_input(work: str) -> Callable[[bytes], None]:
 
 def env_input(work: str) -> Callable[[bytes], None]:
     """``KVTIER_*`` variables (a msgpack map) through ``load_config``'s environment layer."""
-    from kvtier.daemon.config.settings import load_config
+    from kvtier.daemon.config import load_config
 
     def run(data: bytes) -> None:
         m = _harness_unpack(data)
@@ -208,11 +208,10 @@ def env_input(work: str) -> Callable[[bytes], None]:
 def size_input(data: bytes) -> None:
     """Command-line text through ``parse_size`` and ``split_hostport`` (what the size and address
     flags of ``kvtier serve`` use) and through one flag override of ``load_config``."""
-    from kvtier.daemon.config.settings import parse_size, split_hostport
-    from kvtier.daemon.config.sources import OPTIONS, load
+    from kvtier.daemon.config import OPTIONS, load_config, parse_size, split_hostport
 
     text = _text(data)
     options = sorted(OPTIONS)
     option = options[len(data) % len(options)]
     run_all(lambda: parse_size(text), lambda: split_hostport(text),
-            lambda: load(None, {"HOME": "/nonexistent"}, {option: text}))
+            lambda: load_config(None, env={"HOME": "/nonexistent"}, overrides={option: text}))

@@ -1,7 +1,22 @@
 """Where the daemon's settings come from: embedded defaults, a TOML file, ``KVTIER_*`` variables, flags.
 
-:func:`kvtier.daemon.config.settings.load_config` is the entry point; this module holds the option table and the
-layers it merges (highest precedence first: flags, environment, file, defaults). Torch-free.
+:func:`load_config` is the entry point; this module also holds the option table and the layers it
+merges. Torch-free. Sources, highest precedence first::
+
+    flags (kvtier serve --host-bytes ...)  >  KVTIER_* environment  >  TOML file  >  embedded defaults
+
+The TOML file has the sections ``[store]`` (the fields of :class:`~kvtier.daemon.store.config.StoreConfig`),
+``[dataplane]``, ``[rest]``, ``[events]``, ``[auth]``, ``[daemon]`` (``data_dir``, ``log_level``,
+``drain_timeout_s``) and ``[tenants.<name>]`` (:mod:`kvtier.daemon.config.tenants`; file only);
+``configs/kvtier.toml`` documents every option with its default. Unknown sections
+or keys are errors, so a typo never silently falls back to a default.
+
+Environment: every option is ``KVTIER_<SECTION>__<KEY>`` (upper case, two underscores), e.g.
+``KVTIER_STORE__WRITE_THROUGH=1``; the common ones also have the short names of :data:`ENV_ALIASES`
+(``KVTIER_HOST_BYTES``, ``KVTIER_SOCKET``, ...), and ``KVTIER_CONFIG`` names the TOML file when no
+path is given. Values from the environment and from flags are text: sizes take units (``4GiB``,
+see :mod:`kvtier.daemon.config.values`), booleans ``1/0/true/false/yes/no/on/off``, and ``off``
+switches an optional endpoint off.
 """
 
 from __future__ import annotations
@@ -14,12 +29,12 @@ from dataclasses import fields
 from typing import Any
 
 from kvtier_protocol.address import default_data_dir, default_socket
-from kvtier.daemon.config.settings import (AuthConfig, ConfigError, DaemonConfig, DataPlaneConfig, EventsConfig, RestConfig,
-                           _typed, parse_size)
+from kvtier.daemon.config.sections import AuthConfig, DataPlaneConfig, EventsConfig, RestConfig
+from kvtier.daemon.config.settings import DaemonConfig
 from kvtier.daemon.config.tenants import TenantConfig, parse_tenants
+from kvtier.daemon.config.values import GIB, ConfigError, parse_size, typed
 from kvtier.daemon.store.config import StoreConfig
 
-GIB = 1 << 30
 HOST_BYTES_MAX = 4 * GIB  # default host tier: min(4 GiB, 25% of RAM, free /dev/shm)
 DISK_BYTES_DEFAULT = 20 * GIB
 
@@ -90,10 +105,10 @@ def _convert(option: str, value: Any, origin: str) -> Any:
         if text and kind == "float":
             return float(value.strip())
         if kind == "float":
-            return float(_typed(option, value, (int, float)))
+            return float(typed(option, value, (int, float)))
         if kind.startswith("bool"):
-            return _typed(option, value, bool)
-        return _typed(option, value, int if kind == "int" else str)
+            return typed(option, value, bool)
+        return typed(option, value, int if kind == "int" else str)
     except (ConfigError, ValueError, OverflowError) as e:  # float(10**400) overflows
         msg = e.message if isinstance(e, ConfigError) else f"{value!r:.80} is not a valid {kind}"
         raise ConfigError(f"{option} ({origin}): {msg.removeprefix(option + ' ')}") from None
@@ -142,8 +157,6 @@ def _from_env(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
     return out
 
 
-
-
 def default_host_bytes() -> int:
     """min(4 GiB, 25% of RAM, 90% of the free space of /dev/shm), in whole pages.
 
@@ -171,8 +184,25 @@ def default_topic() -> str:
     return f"kv@{socket.gethostname().replace('@', '_') or 'localhost'}@kvtier"
 
 
-def load(path: str | None, env: Mapping[str, str], overrides: Mapping[str, object]) -> DaemonConfig:
-    """:func:`kvtier.daemon.config.settings.load_config` (see there)."""
+def load_config(path: str | None = None, *, env: Mapping[str, str] = os.environ,
+                overrides: Mapping[str, object] = {}) -> DaemonConfig:
+    """The daemon's settings: ``overrides`` > ``env`` > the TOML file > embedded defaults.
+
+    Defaults: host tier min(4 GiB, 25% of RAM, 90% of free /dev/shm); disk tier of 20 GiB in
+    ``<data_dir>/disk`` with ``data_dir`` = ``$XDG_CACHE_HOME/kvtier`` (else ``~/.cache/kvtier``);
+    GPU tier off; unix socket ``$XDG_RUNTIME_DIR/kvtier/kvtier.sock`` (else
+    ``/run/kvtier/kvtier.sock`` where writable, else ``<data_dir>/kvtier.sock``); REST on
+    127.0.0.1:7471; no TCP data plane, no event publisher.
+
+    Args:
+        path: TOML file; None: ``$KVTIER_CONFIG`` when set, else no file.
+        env: where ``KVTIER_*`` options (and the XDG directories, HOME) are read.
+        overrides: ``{"section.key": value}`` from flags (``{"store.host_bytes": "4GiB"}``);
+            text is parsed as the environment's is.
+
+    Raises:
+        ConfigError: an unreadable or malformed file, an unknown option, a wrong type or value.
+    """
     path = path if path is not None else env.get("KVTIER_CONFIG") or None
     values, tenants = _from_toml(path) if path else ({}, ())
     values.update(_from_env(env))

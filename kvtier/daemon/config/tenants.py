@@ -24,7 +24,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.daemon.config.settings import ConfigError, EventsConfig, _typed, parse_size
+from kvtier.daemon.config.sections import EventsConfig
+from kvtier.daemon.config.values import ConfigError, parse_size, typed
 from kvtier.daemon.store.config import StoreConfig
 
 TENANT_NAME = re.compile(r"[a-z0-9_-]{1,32}")
@@ -80,7 +81,7 @@ class TenantConfig:
             raise ConfigError(f"{where}.host_bytes must be > 0: the host tier is where blocks are written")
         if self.token is not None and (not isinstance(self.token, str) or len(self.token) < 16):
             raise ConfigError(f"{where}.token must be text of at least 16 characters")
-        if self.token_file is not None and not _typed(f"{where}.token_file", self.token_file, str):
+        if self.token_file is not None and not typed(f"{where}.token_file", self.token_file, str):
             raise ConfigError(f"{where}.token_file must be a path")
         # EventsConfig checks the endpoints' form (and that replay needs a publisher, at start).
         self.events_config(EventsConfig(topic="kv@check@kvtier"))
@@ -147,11 +148,11 @@ def parse_tenants(doc: Any, origin: str) -> tuple[TenantConfig, ...]:
                 if key in _SIZES:
                     values[key] = parse_size(value)
                 elif key == "token_file":
-                    values[key] = os.path.abspath(os.path.expanduser(_typed(f"tenants.{name}.{key}", value, str)))
+                    values[key] = os.path.abspath(os.path.expanduser(typed(f"tenants.{name}.{key}", value, str)))
                 elif key in ("events_endpoint", "events_replay_endpoint") and value in ("", "off"):
                     values[key] = None
                 else:
-                    values[key] = _typed(f"tenants.{name}.{key}", value, str)
+                    values[key] = typed(f"tenants.{name}.{key}", value, str)
             except ConfigError as e:
                 raise ConfigError(f"tenants.{name}.{key} ({origin}): {e.message}") from None
         out.append(TenantConfig(name=str(name), **values))

@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING
 
 from kvtier_protocol.errors import Unauthorized
 
-from kvtier.daemon.config.settings import AuthConfig, ConfigError
+from kvtier.daemon.config import AuthConfig, ConfigError
 
 if TYPE_CHECKING:
-    from kvtier.daemon.config.tenants import TenantConfig
+    from kvtier.daemon.config import TenantConfig
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import kvtier
 
 if TYPE_CHECKING:
-    from kvtier.daemon.config.settings import DaemonConfig
+    from kvtier.daemon.config import DaemonConfig
     from kvtier.daemon.server.auth import Auth
     from kvtier.daemon.server.dataplane import DataPlane
     from kvtier.daemon.server.events import EventHub

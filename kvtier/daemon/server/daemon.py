@@ -32,8 +32,7 @@ from aiohttp import web
 
 from kvtier_protocol.errors import KVTierError
 
-from kvtier.daemon.config.settings import DaemonConfig, split_hostport
-from kvtier.daemon.config.sources import nvidia_driver_present
+from kvtier.daemon.config import DaemonConfig, nvidia_driver_present, split_hostport
 from kvtier.daemon.server import tenancy
 from kvtier.daemon.server.auth import Auth
 from kvtier.daemon.server.collector import CollectorPolicy
@@ -57,7 +56,7 @@ async def run_daemon(config: DaemonConfig, *, ready_cb: Callable[[DaemonContext]
     """Run kvtierd until SIGTERM or SIGINT.
 
     Args:
-        config: the settings (:func:`kvtier.daemon.config.settings.load_config`).
+        config: the settings (:func:`kvtier.daemon.config.load_config`).
         ready_cb: called once every endpoint listens, with the running context.
 
     Returns:

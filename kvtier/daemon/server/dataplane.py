@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from kvtier_protocol import frames as fr
 from kvtier_protocol.errors import Busy, KVTierError, StorageError, Unavailable
 
-from kvtier.daemon.config.settings import UNIX_PATH_MAX, split_hostport
+from kvtier.daemon.config import UNIX_PATH_MAX, split_hostport
 from kvtier_protocol.buffers import PayloadBuffers
 from kvtier.daemon.server.connection import Connection
 from kvtier.daemon.server.handlers import RequestHandler

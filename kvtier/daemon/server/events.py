@@ -41,7 +41,7 @@ MAX_BATCH_EVENTS = 65_536  # receivers' default limit on events in one batch (SP
 
 
 class EventsSettings(Protocol):
-    """What :class:`EventHub` reads from ``kvtier.daemon.config.settings.EventsConfig``."""
+    """What :class:`EventHub` reads from ``kvtier.daemon.config.EventsConfig``."""
 
     @property
     def endpoint(self) -> str | None: ...  # PUB endpoint; None: no ZMQ publisher
@@ -82,7 +82,7 @@ class EventHub:
     """Publishes the store's block events to ZMQ subscribers (vLLM 0.33 format) and SSE clients.
 
     Args:
-        cfg: the events settings (``kvtier.daemon.config.settings.EventsConfig``).
+        cfg: the events settings (``kvtier.daemon.config.EventsConfig``).
         metrics: told how many events each publish sent.
         max_token_blocks: blocks whose tokens are remembered (:meth:`note_blocks`), LRU.
         max_token_ids: token ids remembered over all blocks (4 bytes each, typically).

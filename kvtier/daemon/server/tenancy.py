@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 from kvtier_protocol.errors import NotFound, Unauthorized
 
-from kvtier.daemon.config.settings import DaemonConfig
+from kvtier.daemon.config import DaemonConfig
 from kvtier.daemon.server.auth import Principal
 from kvtier.daemon.server.context import DaemonContext, Scope
 from kvtier.daemon.server.events import EventHub, EventMetrics

@@ -13,7 +13,7 @@ import pytest
 
 from kvtier import cli
 from kvtier.commands import serve
-from kvtier.daemon.config.sources import OPTIONS
+from kvtier.daemon.config import OPTIONS
 
 ROOT = Path(__file__).resolve().parents[3]
 UNIT = ROOT / "systemd" / "kvtier.service"

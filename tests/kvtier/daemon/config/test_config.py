@@ -1,4 +1,4 @@
-"""kvtier.daemon.config.settings: defaults, sizes, precedence (flags > env > file > defaults) and typed errors."""
+"""kvtier.daemon.config: defaults, sizes, precedence (flags > env > file > defaults) and typed errors."""
 
 from __future__ import annotations
 
@@ -12,11 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.daemon.config.settings import (GIB, MIB, AuthConfig, ConfigError, DaemonConfig, DataPlaneConfig, EventsConfig,
-                           RestConfig, load_config, parse_size, split_hostport)
-from kvtier.daemon.config.sources import (ENV_ALIASES, OPTIONS, SECTIONS, default_host_bytes, env_name,
-                                   nvidia_driver_present)
-from kvtier.daemon.config.tenants import TENANT_KEYS, TenantConfig
+from kvtier.daemon.config import (ENV_ALIASES, GIB, MIB, OPTIONS, SECTIONS, TENANT_KEYS, AuthConfig, ConfigError,
+                                  DaemonConfig, DataPlaneConfig, EventsConfig, RestConfig, TenantConfig,
+                                  default_host_bytes, env_name, load_config, nvidia_driver_present, parse_size,
+                                  split_hostport)
 from kvtier_protocol.errors import InvalidRequest
 
 ROOT = Path(__file__).resolve().parents[4]

@@ -10,8 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtier.daemon.config.settings import ConfigError, load_config, parse_size, split_hostport
-from kvtier.daemon.config.sources import ENV_ALIASES, OPTIONS, env_name
+from kvtier.daemon.config import ENV_ALIASES, OPTIONS, ConfigError, env_name, load_config, parse_size, split_hostport
 
 FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                         HealthCheck.function_scoped_fixture])

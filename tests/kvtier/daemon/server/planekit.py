@@ -26,7 +26,7 @@ from kvtier_protocol.header import BlockHeader, Section, encode_header, payload_
 from kvtier_protocol.keys import chain_hashes
 from kvtier_protocol.namespace import Namespace
 
-from kvtier.daemon.config.settings import AuthConfig, DaemonConfig, DataPlaneConfig, EventsConfig, RestConfig
+from kvtier.daemon.config import AuthConfig, DaemonConfig, DataPlaneConfig, EventsConfig, RestConfig
 from kvtier.daemon.server.auth import Auth
 from kvtier.daemon.server.context import DaemonContext
 from kvtier.daemon.server.dataplane import DataPlane

@@ -17,7 +17,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from kvtier_protocol.header import BlockHeader, Section, encode_header, payload_checksum
 from kvtier_protocol.namespace import Namespace
 
-from kvtier.daemon.config.settings import AuthConfig, DaemonConfig, DataPlaneConfig, EventsConfig, RestConfig
+from kvtier.daemon.config import AuthConfig, DaemonConfig, DataPlaneConfig, EventsConfig, RestConfig
 from kvtier.daemon.server.auth import Auth
 from kvtier.daemon.server.context import DaemonContext
 from kvtier.daemon.server.events import EventHub

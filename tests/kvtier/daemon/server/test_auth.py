@@ -10,8 +10,7 @@ import stat
 import pytest
 from kvtier_protocol.errors import Unauthorized
 
-from kvtier.daemon.config.settings import AuthConfig, ConfigError
-from kvtier.daemon.config.tenants import TenantConfig
+from kvtier.daemon.config import AuthConfig, ConfigError, TenantConfig
 from kvtier.daemon.server.auth import Auth, Principal, TokenFileError
 
 SECRET = "s3cret-token-value"

@@ -28,8 +28,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtier.daemon.config.settings import load_config
-from kvtier.daemon.config.sources import nvidia_driver_present
+from kvtier.daemon.config import load_config, nvidia_driver_present
 from kvtier.daemon.server.collector import GEN0_THRESHOLD
 from kvtier.daemon.server.daemon import gpu_checked, run_daemon
 from kvtier.daemon.server.sdnotify import SdNotifier

@@ -23,7 +23,7 @@ from kvtier_protocol.header import BlockHeader, Section, encode_header, payload_
 from kvtier_protocol.keys import block_keys, chain_hashes, event_hash
 from kvtier_protocol.namespace import Namespace
 
-from kvtier.daemon.config.settings import EventsConfig
+from kvtier.daemon.config import EventsConfig
 from kvtier.daemon.server import event_translate
 from kvtier.daemon.server.event_translate import BlockTokens, EventTranslator, Translated
 from kvtier.daemon.server.event_zmq import WireBatch, ZmqPublisher

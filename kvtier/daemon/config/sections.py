@@ -1,0 +1,121 @@
+"""The service sections of the daemon's settings: ``[dataplane]``, ``[rest]``, ``[events]``, ``[auth]``.
+
+Each is a frozen dataclass that checks its own fields when built (:class:`~kvtier.daemon.config.values.ConfigError`
+names the option). Torch-free.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+from kvtier.daemon.config.values import MIB, UNIX_PATH_MAX, ConfigError, hostport_option, positive, typed
+
+
+@dataclass(frozen=True, slots=True)
+class DataPlaneConfig:
+    """The data plane (the frame protocol of SPEC.md §7).
+
+    Attributes:
+        socket: path of the unix socket (mode 0600); None: no unix socket.
+        listen: ``HOST:PORT`` of the TCP data plane (payloads inline, token required); None: off.
+        socket_requires_token: ask for the token on the unix socket too (the file mode already
+            limits it to the daemon's user).
+        max_connections: connections served at once; more are refused.
+        max_inflight: requests one connection may have outstanding (more: ``busy``).
+        idle_timeout_s: a connection silent this long is closed.
+        max_payload_bytes: largest frame payload (and block record).
+        max_batch: most keys in one request.
+    """
+
+    socket: str | None
+    listen: str | None = None
+    socket_requires_token: bool = False
+    max_connections: int = 256
+    max_inflight: int = 64
+    idle_timeout_s: float = 300.0
+    max_payload_bytes: int = 256 * MIB
+    max_batch: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.socket is not None:
+            typed("dataplane.socket", self.socket, str)
+            if not self.socket or len(os.fsencode(self.socket)) > UNIX_PATH_MAX:
+                raise ConfigError(f"dataplane.socket must be a path of 1..{UNIX_PATH_MAX} bytes, got "
+                                  f"{self.socket!r} (use a shorter data_dir or socket path)")
+        object.__setattr__(self, "listen", hostport_option("dataplane.listen", self.listen))
+        typed("dataplane.socket_requires_token", self.socket_requires_token, bool)
+        for name in ("max_connections", "max_inflight", "max_payload_bytes", "max_batch"):
+            positive(f"dataplane.{name}", getattr(self, name))
+        positive("dataplane.idle_timeout_s", self.idle_timeout_s, number=True)
+        if self.socket is None and self.listen is None:
+            raise ConfigError("dataplane: both socket and listen are off; nothing would serve the data plane")
+
+
+@dataclass(frozen=True, slots=True)
+class RestConfig:
+    """The REST API and ``/metrics``. Attributes: listen: ``HOST:PORT``, or None (off)."""
+
+    listen: str | None = "127.0.0.1:7471"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "listen", hostport_option("rest.listen", self.listen))
+
+
+_ZMQ_ENDPOINT = re.compile(r"(tcp|ipc|inproc)://\S+")
+
+
+@dataclass(frozen=True, slots=True)
+class EventsConfig:
+    """KV events (SPEC.md §9): a ZMQ PUB socket and a replay ROUTER, vLLM 0.33 compatible.
+
+    Attributes:
+        endpoint: ZMQ endpoint of the PUB socket (``tcp://127.0.0.1:5557``); None: no publisher.
+        replay_endpoint: ZMQ endpoint of the replay ROUTER; None: no replay.
+        topic: topic of every message, ``kv@<pod>@<model>``; load_config computes
+            ``kv@<hostname>@kvtier`` when it is empty.
+        legacy_array: encode events as arrays (vLLM before map encoding) instead of maps.
+        buffer_steps: batches kept for replay.
+        hwm: ZMQ send high-water mark (messages).
+    """
+
+    endpoint: str | None = None
+    replay_endpoint: str | None = None
+    topic: str = ""
+    legacy_array: bool = False
+    buffer_steps: int = 10000
+    hwm: int = 100000
+
+    def __post_init__(self) -> None:
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(self, name)
+            if value is not None and not _ZMQ_ENDPOINT.fullmatch(typed(f"events.{name}", value, str)):
+                raise ConfigError(f"events.{name} must be a ZMQ endpoint such as tcp://127.0.0.1:5557, got {value!r}")
+        typed("events.topic", self.topic, str)
+        typed("events.legacy_array", self.legacy_array, bool)
+        positive("events.buffer_steps", self.buffer_steps)
+        positive("events.hwm", self.hwm, zero=True)
+
+
+@dataclass(frozen=True, slots=True)
+class AuthConfig:
+    """The shared-secret token of TCP and mutating REST calls.
+
+    Attributes:
+        token: the token itself (prefer token_file: the environment and files leak more easily).
+        token_file: file holding the token; default ``<data_dir>/token``, generated (0600) when
+            missing.
+    """
+
+    token: str | None = None
+    token_file: str | None = None
+
+    def __repr__(self) -> str:  # the token never reaches a log line
+        return f"AuthConfig(token={'<set>' if self.token else None}, token_file={self.token_file!r})"
+
+    def __post_init__(self) -> None:
+        if self.token is not None and (not isinstance(self.token, str) or len(self.token) < 16):
+            raise ConfigError("auth.token must be text of at least 16 characters")
+        if self.token_file is not None and not typed("auth.token_file", self.token_file, str):
+            raise ConfigError("auth.token_file must be a path")

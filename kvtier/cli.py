@@ -128,7 +128,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv)
     args = parser.parse_args(argv)
-    return int(args.func(args) or 0)
+    from kvtier_protocol.errors import KVTierError
+
+    try:
+        return int(args.func(args) or 0)
+    except (KVTierError, OSError) as exc:
+        # What escapes a command here is the user's to fix (a path that cannot be used, a request
+        # the daemon refused): one line and the usage-error status, as argparse gives, never a
+        # traceback. Commands with their own reporting (serve, admin, engine) answer before this.
+        print(f"kvtier {args.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ import statistics
 import sys
 from typing import Any
 
+from kvtier_protocol.codec_plan import CODECS
+
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -33,7 +35,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--model", metavar="DIR", required=True, help="HF-format checkpoint (config.json + safetensors)")
     run.add_argument("--kvtier", metavar="ADDRESS", default=None,
                      help="daemon address (unix:/path or tcp://host:port); default: no kvtier")
-    run.add_argument("--codec", choices=("raw", "int8", "int4"), default="raw", help="how blocks are stored (raw)")
+    run.add_argument("--codec", choices=CODECS, default="raw", help="how blocks are stored (raw)")
     run.add_argument("--device", default="cpu", help="torch device (cpu)")
     run.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and KV dtype (float32)")
     run.add_argument("--block-tokens", type=int, default=16, help="tokens per KV page and kvtier block (16)")

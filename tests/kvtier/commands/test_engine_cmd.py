@@ -109,3 +109,14 @@ def test_the_module_imports_without_torch() -> None:
     code = "import sys, kvtier.commands.engine; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT,
                    env={"PYTHONPATH": f"{ROOT}:{ROOT / 'protocol'}", "PATH": "/usr/bin:/bin"})
+
+
+def test_every_codec_of_the_protocol_is_offered() -> None:
+    from kvtier_protocol.codec_plan import CODECS
+
+    parser = argparse.ArgumentParser(prog="kvtier")
+    register(parser.add_subparsers(dest="command", required=True))
+    for codec in CODECS:
+        args = parser.parse_args(["engine", "generate", "--model", "m", "--prompt-file", "p", "--codec", codec])
+        assert args.codec == codec
+    assert {"int2", "fp8_e4m3"} <= set(CODECS)

@@ -154,7 +154,6 @@ class Daemon:
         events = self._events.start()
         ctx.endpoints.update(tenancy.start_hubs(self._tenants))
         self._dataplane = DataPlane(ctx)
-        ctx.dataplane = self._dataplane
         ctx.endpoints["dataplane"] = await self._dataplane.start()
         if cfg.rest.listen is not None:
             ctx.endpoints["rest"] = await self._start_rest(ctx, cfg.rest.listen)

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvtier_protocol import frames as fr
@@ -40,7 +41,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
+Handler = Callable[[Any, "Session"], Awaitable[fr.Message]]
+"""One operation: ``(request, session) -> response`` (a bound method of :class:`RequestHandler`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +92,28 @@ class RequestHandler:
         self.ctx = ctx
         self.limits = limits
         self.buffers = buffers  # where get responses' records are copied (reused, buffers.py)
+        # The dispatch, spelled out: every operation of SPEC §7.4 but hello (the connection's own,
+        # it chooses the session's scope) to the method that serves it.
+        self._handlers: Mapping[str, Handler] = MappingProxyType({
+            fr.LookupRequest.OP: self._lookup,
+            fr.ReserveRequest.OP: self._reserve,
+            fr.CommitRequest.OP: self._commit,
+            fr.GrantRequest.OP: self._grant,
+            fr.PlaceRequest.OP: self._place,
+            fr.AcquireRequest.OP: self._acquire,
+            fr.ReleaseRequest.OP: self._release,
+            fr.PutRequest.OP: self._put,
+            fr.GetRequest.OP: self._get,
+            fr.DeleteRequest.OP: self._delete,
+            fr.ClearRequest.OP: self._clear,
+            fr.StatsRequest.OP: self._stats,
+            fr.PingRequest.OP: self._ping,
+        })
+
+    @property
+    def handlers(self) -> Mapping[str, Handler]:
+        """The operation each request's ``OP`` is served by (read-only; hello is not here)."""
+        return self._handlers
 
     def scope(self, session: Session) -> Scope:
         """The scope a session's requests go to (the default one until its hello chose another)."""
@@ -104,8 +128,10 @@ class RequestHandler:
         if req.OP in _SHM_OPS and not session.has_segments:
             raise InvalidRequest(f"{req.OP} needs the shared-memory segments of a unix socket "
                                  "connection; use put/get")
-        method = getattr(self, "_" + req.OP)
-        return await method(req, session)
+        handler = self._handlers.get(req.OP)
+        if handler is None:  # the frame decoder refuses unknown ops first; hello is the connection's
+            raise InvalidRequest(f"unknown op {req.OP!r}; ops are {', '.join(self._handlers)}")
+        return await handler(req, session)
 
     # --- shared memory path --------------------------------------------------------------------
 

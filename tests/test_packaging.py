@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE_ROOTS = [ROOT / "kvtier", ROOT / "protocol" / "kvtier_protocol", ROOT / "connectors"]
 
-# Modules that must stay importable without torch, aiohttp or RocksDB (DESIGN.md §6): the
+# Modules that must stay importable without torch, aiohttp or RocksDB (docs/design.md §3): the
 # bookkeeping core of the store and the torch-free half of the protocol.
 LIGHT_MODULES = [
     "kvtier_protocol.errors",

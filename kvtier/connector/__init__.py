@@ -1,4 +1,4 @@
-"""The engine-agnostic connector core and its parts (DESIGN.md §5).
+"""The engine-agnostic connector core and its parts (docs/design.md §4).
 
 :class:`KVConnectorCore` moves prefix blocks between an engine's paged KV caches and the kvtier
 daemon; :func:`namespace_for_checkpoint` names the KV of a checkpoint (geometry from its

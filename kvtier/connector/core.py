@@ -1,5 +1,5 @@
 """The engine-agnostic connector core: lookup, load and save of prefix blocks between an engine's
-paged KV cache and the kvtier daemon (DESIGN.md §5).
+paged KV cache and the kvtier daemon (docs/design.md §4).
 
 ::
 

@@ -1,4 +1,4 @@
-"""TieredStore: the one facade over index, policies, leases and tiers (DESIGN.md §4).
+"""TieredStore: the one facade over index, policies, leases and tiers (docs/design.md §5).
 
 ::
 

@@ -146,6 +146,11 @@ def decode_block(buf: bytes | bytearray | memoryview, *, layout: str | Layout | 
     if h.codec == "raw":
         tensor = _raw_tensor(h, payload, device)
     else:
+        if stored.name != stored.canonical_name:
+            # The codecs' geometry is that of the canonical layouts; read in any other axis order
+            # the same shape would decode to the wrong elements (SPEC 5.1, 6.5).
+            raise CodecError(f"codec {h.codec!r} needs layout {stored.canonical_name!r}, "
+                             f"got {h.layout!r}")
         views = {s.name: payload[s.offset:s.offset + s.length] for s in h.sections}
         tensor = codecs.decode(views, codec=h.codec, quant=h.quant, shape=h.shape, dtype=h.dtype,
                                mla=stored.is_mla, device=device)

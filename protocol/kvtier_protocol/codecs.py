@@ -269,7 +269,12 @@ def decode(sections: Mapping[str, object], *, codec: str, quant: QuantParams | N
         return buf["payload"].view(tdt).reshape(pl.shape)
     parts = (_decode_fp8 if pl.codec == "fp8_e4m3" else _decode_int)(pl, buf)
     out = torch.empty(pl.shape, dtype=tdt, device=device)
+    fmax = torch.finfo(tdt).max
     for p, part in enumerate(parts):  # float32 [L, H, T, D]; copy_ casts with round-to-nearest-even
+        # Saturate first (NaN stays NaN): q*S + M may round past the dtype's largest finite value
+        # (a float16 group spanning +-65504 whose scale rounded up), and a finite block must never
+        # decode to Inf (SPEC 5.4).
+        part.clamp_(-fmax, fmax)
         (out[:, :, : pl.D] if pl.mla else out[:, p]).copy_(part[:, 0] if pl.mla else part)
     if pl.R:
         out[:, :, pl.D:] = buf["rope"].view(tdt).reshape(pl.L, pl.T, pl.R)

@@ -321,12 +321,17 @@ def chain_hashes(tokens: Sequence[int], hash_tokens: int, *, scheme: str = DEFAU
     return out
 
 
-def block_keys(unit_hashes: Sequence[bytes], units_per_block: int) -> list[bytes]:
-    """Keys of the full blocks (``unit_hashes`` starts at a block boundary): the digest of
-    each block's LAST unit; a trailing partial block has no key."""
+def block_keys(unit_hashes: Sequence[bytes], units_per_block: int, first_unit: int = 0) -> list[bytes]:
+    """Keys of the full blocks: the digest of each block's LAST unit; a trailing partial block has
+    no key. Blocks are counted from the request's first token (SPEC.md §3.1): ``unit_hashes[0]``
+    is unit ``first_unit`` of the request (a continuation's ``start // hash_tokens``), and unit
+    ``i`` is a key exactly when ``(i + 1) % units_per_block == 0``, so a continuation that starts
+    mid-block yields the key of the block it completes."""
     if not _is_int(units_per_block) or units_per_block < 1:
         raise InvalidRequest("units_per_block must be a positive int")
-    return list(unit_hashes[units_per_block - 1 :: units_per_block])
+    if not _is_int(first_unit) or first_unit < 0:
+        raise InvalidRequest("first_unit must be a non-negative int")
+    return list(unit_hashes[(units_per_block - 1 - first_unit) % units_per_block :: units_per_block])
 
 
 def event_hash(digest: bytes) -> int:

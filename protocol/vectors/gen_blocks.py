@@ -46,6 +46,7 @@ class VectorSpec:
     first: bool = False  # no parent hash
     created: bool = False  # record the optional "created" key
     extra: tuple[tuple[str, Any], ...] = ()  # unknown future keys, to exercise the growth rule
+    scale_exp: int = 0  # the source formula's values times 2**scale_exp (exact: a power of two)
 
 
 MHA_SMALL = Geometry(num_layers=2, num_tokens=4, num_heads=2, head_dim=8)
@@ -94,19 +95,52 @@ SPECS: tuple[VectorSpec, ...] = (
                "ragged: 32)", "mla-latent", "bfloat16", MLA_QUANT, "int4"),
     VectorSpec("fp8e4m3-bf16-mla", "fp8_e4m3 MLA latent, one float32 scale per 128 values",
                "mla-latent", "bfloat16", MLA_QUANT, "fp8_e4m3"),
+    VectorSpec("raw-bf16-sglang-page-head", "raw bfloat16 page of an SGLang page_head host pool",
+               "sglang-page-head", "bfloat16", MHA_SMALL),
+    VectorSpec("raw-bf16-sglang-mla-page-first", "raw bfloat16 MLA page of an SGLang page_first "
+               "host pool", "sglang-mla-page-first", "bfloat16", MLA_SMALL),
+    VectorSpec("raw-fp8e5m2-canonical", "raw float8_e5m2 block (an fp8 KV cache stored as is)",
+               "canonical", "float8_e5m2", MHA_SMALL),
+    VectorSpec("raw-int8-canonical", "raw int8 block: elements are the low byte of u_i, as two's "
+               "complement", "canonical", "int8", MHA_SMALL),
+    VectorSpec("raw-uint8-vllm-nhc", "raw uint8 block in vllm-nhc: elements are the low byte of "
+               "u_i", "vllm-nhc", "uint8", MHA_SMALL),
+    VectorSpec("int8-f32-canonical", "int8 of a float32 source, default parameters (float16 "
+               "scales fit)", "canonical", "float32", MHA_QUANT, "int8"),
+    VectorSpec("int4-f32-tiny-scale-fallback", "int4 of a float32 source whose values are the "
+               "formula's times 2^-16: default parameters ask for float16 scales, every scale is "
+               "below 2^-14, so the whole block is stored with float32 scales (SPEC 5.4 step 4)",
+               "canonical", "float32", MHA_QUANT, "int4", scale_exp=-16),
+    VectorSpec("int8-fp8e4m3-canonical", "int8 of a float8_e4m3fn source: a quantizing codec "
+               "accepts fp8 input (SPEC 5.1); the decoded tensor is float8_e4m3fn again",
+               "canonical", "float8_e4m3fn", MHA_QUANT, "int8"),
 )
+
+
+INTEGER_DTYPES = ("int8", "uint8")
+
+SOURCE_FORMULA = (
+    "u[i] = (i*2654435761 + 12345) mod 2^32, i = row-major index in the canonical layout. Floating "
+    "dtypes: x[i] = dtype(float32(u[i] / 2^32 * 8 - 4) * 2^source_scale_exp), the inner value "
+    "exact in float64, rounded once to float32 and then once to dtype (round-to-nearest-even); "
+    "int8 / uint8: x[i] = the low byte of u[i] (int8: as two's complement). Then converted to "
+    "params.layout")
 
 
 def source_tensor(spec: VectorSpec) -> torch.Tensor:
     """The block's contents in ``spec.layout``: ``u_i = (i * 2654435761 + 12345) mod 2^32``
-    over the canonical element index ``i``, mapped to ``u_i / 2^32 * 8 - 4`` (then rounded to the
-    dtype), so every implementation can rebuild it exactly."""
+    over the canonical element index ``i``. Floating dtypes: ``u_i / 2^32 * 8 - 4`` (exact in
+    float64), rounded to float32, times ``2^scale_exp`` (exact), rounded to the dtype; integer
+    dtypes: the low byte of ``u_i``. Every implementation can rebuild it exactly (SOURCE_FORMULA)."""
     canonical = get_layout(spec.layout).canonical_name
     shape = get_layout(canonical).shape_for(spec.geometry)
     i = torch.arange(math.prod(shape), dtype=torch.int64)
     u = (i * 2654435761 + 12345) % (1 << 32)
+    if spec.dtype in INTEGER_DTYPES:
+        x = (u & 0xFF).to(torch.uint8).view(torch_dtype(spec.dtype)).reshape(shape)
+        return convert(x, canonical, spec.layout)
     x = (u.to(torch.float64) / float(1 << 32) * 8.0 - 4.0).to(torch.float32)
-    x = x.to(torch_dtype(spec.dtype)).reshape(shape)
+    x = (x * 2.0 ** spec.scale_exp).to(torch_dtype(spec.dtype)).reshape(shape)
     return convert(x, canonical, spec.layout)
 
 
@@ -136,7 +170,7 @@ def describe(spec: VectorSpec, record: bytes) -> dict[str, Any]:
     _, decoded = decode_block(record)
     source = source_tensor(spec)
     as_source = convert(decoded, h.layout, spec.layout)
-    err = (as_source.float() - source.float()).abs().max().item()
+    err = (as_source.double() - source.double()).abs().max().item()
     return {
         "name": spec.name,
         "description": spec.description,
@@ -148,8 +182,7 @@ def describe(spec: VectorSpec, record: bytes) -> dict[str, Any]:
             "ns_id": NS_ID.hex(), "chain_hash": h.chain_hash.hex(),
             "parent_hash": h.parent_hash.hex() if h.parent_hash is not None else None,
             "created_ms": h.created_ms, "extra": [list(kv) for kv in spec.extra],
-            "source": "x[i] = dtype(((i*2654435761 + 12345) mod 2^32) / 2^32 * 8 - 4), i = "
-                      "row-major index in the canonical layout; then converted to params.layout",
+            "source": SOURCE_FORMULA, "source_scale_exp": spec.scale_exp,
             "source_sha256": _sha(source),
         },
         "header": {

@@ -74,7 +74,8 @@ def chain_case(name: str, what: str, tokens: list[int], hash_tokens: int, units_
         "parent_hex": parent.hex() if parent else None, "extras": extras_spec(extras),
         "seed_hex": seed.hex() if seed else None,
         "tokens": tokens, "units": units,
-        "block_keys_hex": [k.hex() for k in keys.block_keys(hashes, units_per_block)],
+        "block_keys_hex": [k.hex() for k in keys.block_keys(hashes, units_per_block,
+                                                              start // hash_tokens)],
     }
 
 
@@ -95,6 +96,10 @@ def vllm_chains() -> list[dict[str, Any]]:
     two = keys.chain_hashes(t64, 16)
     embeds = tuple(hashlib.sha256(b"embeds-unit-%d" % i).digest() for i in range(4))
     big = [0, 23, 24, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**63, 2**64 - 1, 1, 2, 3, 4, 5]
+    all_extras = ExtraKeys(lora_name="l", lora_path="", cache_salt="s",
+                           mm_items=(MMItem("m", 10, 8), MMItem("v", 40, 20)), prompt_embeds=embeds)
+    all_extras_tokens = pseudo_tokens(64, 5)
+    all_extras_chain = keys.chain_hashes(all_extras_tokens, 16, extras=all_extras)
     return [
         chain_case("two-units", "tokens 0..31, no extras", list(range(32)), 16, 1),
         chain_case("blocks-of-2-units", "64+6 tokens; hash unit 16, block 32: keys are units 1, 3;"
@@ -117,6 +122,22 @@ def vllm_chains() -> list[dict[str, Any]]:
                    extras=ExtraKeys(lora_name="sql", lora_path="/a", cache_salt="t",
                                     mm_items=(MMItem("img", 2, 30),))),
         chain_case("wide-token-ids", "CBOR integer widths 1, 2, 3, 5 and 9 bytes", big, 16, 1),
+        chain_case("lora-without-path", "a LoRA name with no path: the key's path is the empty "
+                   "text, never nil or left out", list(range(32)), 16, 1,
+                   extras=ExtraKeys(lora_name="sql-adapter")),
+        chain_case("extras-two-images", "lora with an empty path, salt, prompt embeds and two "
+                   "images, the second spanning units 2 and 3: the whole request of "
+                   "continuation-with-extras", all_extras_tokens, 16, 2, extras=all_extras),
+        chain_case("continuation-with-extras", "the second half of extras-two-images hashed on its own "
+                   "from start 32 with the request's whole extras: unit_start is absolute (mm "
+                   "offsets relative to it, no salt past unit 0), prompt_embeds[i] belongs to "
+                   "absolute unit i; same digests as units 2 and 3 there",
+                   all_extras_tokens[32:], 16, 2, extras=all_extras, parent=all_extras_chain[1],
+                   start=32),
+        chain_case("continuation-mid-block", "blocks-of-2-units continued from unit 1 (start 16, "
+                   "in the middle of block 0): block keys are counted from the request's first "
+                   "token, so they are absolute units 1 and 3 (this case's units 0 and 2)",
+                   t64[16:], 16, 2, parent=two[0], start=16),
     ]
 
 

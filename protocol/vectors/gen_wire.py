@@ -104,6 +104,20 @@ FRAME_MESSAGES: list[tuple[str, str, fr.Message]] = [
     ("place_request", "the block of key 8 was written into slot 0 of grant 9. " + OPAQUE, fr.PlaceRequest(
         id=11, lease=9, ns_id=NS_ID, hashes=(chain_hash(8),), positions=(0,), headers=(record(8, 48),))),
     ("place_response", "the block is visible", fr.PlaceResponse(id=11, results=("stored",))),
+    ("release_response", "lease 8 ended (no op-specific keys)", fr.ReleaseResponse(id=6)),
+    ("get_request", "TCP get of three keys (answered by get_response)", fr.GetRequest(
+        id=8, ns_id=NS_ID, hashes=(chain_hash(6), chain_hash(9), chain_hash(7)))),
+    ("ping_response", "the answer to ping id 9 (no op-specific keys)", fr.PingResponse(id=9)),
+    ("delete_request", "drop two keys from every tier", fr.DeleteRequest(
+        id=12, ns_id=NS_ID, hashes=(chain_hash(0), chain_hash(5)))),
+    ("delete_response", "one of the two keys existed", fr.DeleteResponse(id=12, deleted=1)),
+    ("clear_request", "drop every block of the namespace", fr.ClearRequest(id=13, ns_id=NS_ID)),
+    ("clear_response", "42 blocks were dropped", fr.ClearResponse(id=13, deleted=42)),
+    ("stats_request", "stats (no request keys)", fr.StatsRequest(id=14)),
+    ("stats_response", "an informative stats map: scalars of every allowed type and a nested map "
+     "(counter names are not part of the contract)", fr.StatsResponse(id=14, stats={
+         "version": "0.1.0", "blocks": 3, "hit_rate": 0.5, "draining": False, "peer": None,
+         "tiers": {"host": {"bytes": 12288, "capacity": 1 << 30}}})),
 ]
 
 

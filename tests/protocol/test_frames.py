@@ -611,9 +611,9 @@ FRAME_VECTORS = sorted(p.stem for p in (VECTORS / "frames").glob("*.bin"))
 
 
 def test_vectors_exist_for_every_named_case() -> None:
-    assert {"hello_request", "lookup_request", "reserve_request", "commit_request",
-            "acquire_request", "put_request", "error_response", "grant_request", "grant_response",
-            "place_request", "place_response"} <= set(FRAME_VECTORS)
+    # SPEC §10: a request and a response of every operation of §7.4, and an error response.
+    want = {f"{op}_{side}" for op in fr.OPS for side in ("request", "response")} | {"error_response"}
+    assert want == set(FRAME_VECTORS)
 
 
 @pytest.mark.parametrize("name", FRAME_VECTORS)

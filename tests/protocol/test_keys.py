@@ -328,7 +328,8 @@ def test_every_chain_vector_reproduces(fname: str) -> None:
             assert hashlib.sha256(pre).hexdigest() == u["hash_hex"]
             assert keys.event_hash(bytes.fromhex(u["hash_hex"])) == u["event_u64"]
             prev = bytes.fromhex(u["hash_hex"])
-        assert [k.hex() for k in keys.block_keys(got, c["units_per_block"])] == c["block_keys_hex"]
+        first_unit = c["start"] // ht  # block keys count units from the request's first token
+        assert [k.hex() for k in keys.block_keys(got, c["units_per_block"], first_unit)] == c["block_keys_hex"]
 
 
 def test_vllm_reference_vector_file() -> None:
@@ -340,8 +341,25 @@ def test_vllm_reference_vector_file() -> None:
 
 def test_continuation_vector_matches_the_full_chain() -> None:
     cases = {c["name"]: c for c in json.loads((VECTORS / "vllm_chains.json").read_text())["cases"]}
-    full, cont = cases["blocks-of-2-units"], cases["continuation"]
-    assert [u["hash_hex"] for u in full["units"][2:4]] == [u["hash_hex"] for u in cont["units"]]
+    for whole, part, first in (("blocks-of-2-units", "continuation", 2),
+                               ("extras-two-images", "continuation-with-extras", 2),
+                               ("blocks-of-2-units", "continuation-mid-block", 1)):
+        full, cont = cases[whole], cases[part]
+        assert cont["start"] == first * cont["hash_tokens"]
+        n = len(cont["units"])
+        assert [u["hash_hex"] for u in full["units"][first:first + n]] == [u["hash_hex"] for u in cont["units"]]
+        # The continuation's block keys are the whole chain's keys of the blocks it completes.
+        assert set(cont["block_keys_hex"]) <= set(full["block_keys_hex"])
+    assert cases["continuation-mid-block"]["block_keys_hex"] == cases["blocks-of-2-units"]["block_keys_hex"][:2]
+
+
+def test_block_keys_count_units_from_the_request_start() -> None:
+    units = [bytes([i]) * 32 for i in range(6)]
+    assert keys.block_keys(units, 2, first_unit=1) == [units[0], units[2], units[4]]
+    assert keys.block_keys(units, 3, first_unit=4) == [units[1], units[4]]
+    assert keys.block_keys(units, 2, first_unit=2) == keys.block_keys(units, 2)
+    with pytest.raises(InvalidRequest):
+        keys.block_keys(units, 2, first_unit=-1)
 
 
 def test_generator_reproduces_the_files_byte_for_byte() -> None:

@@ -8,12 +8,15 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from kvtier_protocol.block import decode_block, encode_block
+from kvtier_protocol.codec_plan import CODECS
+from kvtier_protocol.dtypes import DTYPE_SIZES
 from kvtier_protocol.header import decode_header, encode_header
-from kvtier_protocol.layouts import convert
+from kvtier_protocol.layouts import LAYOUTS, convert, get_layout
 
 VECTORS = Path(__file__).resolve().parents[2] / "protocol" / "vectors"
 NAMES = sorted(p.stem for p in (VECTORS / "blocks").glob("*.json"))
@@ -37,8 +40,52 @@ def _sha(t: torch.Tensor) -> str:
 
 def test_the_corpus_is_complete() -> None:
     assert NAMES == sorted(s.name for s in GEN.SPECS)
-    codecs = {json.loads((VECTORS / "blocks" / f"{n}.json").read_text())["params"]["codec"] for n in NAMES}
-    assert codecs == {"raw", "int8", "int4", "int2", "fp8_e4m3"}
+    descs = [json.loads((VECTORS / "blocks" / f"{n}.json").read_text()) for n in NAMES]
+    assert {d["params"]["codec"] for d in descs} == set(CODECS)
+    # Every layout and every dtype of SPEC §6 is stored raw by some vector ...
+    raw = [d["params"] for d in descs if d["params"]["codec"] == "raw"]
+    assert {p["layout"] for p in raw} == set(LAYOUTS)
+    assert {p["dtype"] for p in raw} == set(DTYPE_SIZES)
+    # ... and the quantizing codecs see float32, 16-bit and fp8 sources, and the float32-scale
+    # fall-back of §5.4 (asked for float16 by default, stored with float32).
+    quantized = [d for d in descs if d["params"]["codec"] != "raw"]
+    assert {d["params"]["dtype"] for d in quantized} >= {"float32", "float16", "bfloat16", "float8_e4m3fn"}
+    assert any(d["params"]["quant"] is None and d["header"]["quant"]["scale_dtype"] == "float32"
+               and d["params"]["codec"] != "fp8_e4m3" for d in quantized)
+
+
+def _independent_source(params: dict) -> torch.Tensor:
+    """SPEC §10's source formula, rebuilt from the JSON alone with numpy (float64 -> float32), then
+    one cast to the dtype; in the canonical layout."""
+    shape = get_layout(get_layout(params["layout"]).canonical_name).shape_for(
+        get_layout(params["layout"]).geometry_of(tuple(params["shape"])))
+    i = np.arange(int(np.prod(shape)), dtype=np.uint64)
+    u = (i * np.uint64(2654435761) + np.uint64(12345)) % np.uint64(1 << 32)
+    if params["dtype"] in ("int8", "uint8"):
+        return torch.from_numpy((u & np.uint64(0xFF)).astype(np.uint8)).view(
+            getattr(torch, params["dtype"])).reshape(shape)
+    x64 = u.astype(np.float64) / 2.0**32 * 8.0 - 4.0
+    x32 = x64.astype(np.float32) * np.float32(2.0 ** params["source_scale_exp"])
+    return torch.from_numpy(x32).to(getattr(torch, params["dtype"])).reshape(shape)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_source_formula_is_reproducible_from_the_json(name: str) -> None:
+    params = json.loads((VECTORS / "blocks" / f"{name}.json").read_text())["params"]
+    source = convert(_independent_source(params), get_layout(params["layout"]).canonical_name,
+                     params["layout"])
+    assert _sha(source) == params["source_sha256"]
+
+
+def test_source_formula_rounds_through_float32() -> None:
+    # The precision is part of the formula: one float16 vector differs when float64 is rounded
+    # straight to float16 (double rounding), so SPEC §10 names float64 -> float32 -> dtype.
+    params = json.loads((VECTORS / "blocks" / "int4-f16-canonical.json").read_text())["params"]
+    i = np.arange(int(np.prod(params["shape"])), dtype=np.uint64)
+    u = (i * np.uint64(2654435761) + np.uint64(12345)) % np.uint64(1 << 32)
+    direct = torch.from_numpy((u.astype(np.float64) / 2.0**32 * 8.0 - 4.0).astype(np.float16))
+    assert _sha(direct) != params["source_sha256"]
+    assert _sha(_independent_source(params).reshape(-1)) == params["source_sha256"]
 
 
 @pytest.mark.parametrize("name", NAMES)

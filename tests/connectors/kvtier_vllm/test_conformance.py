@@ -1,6 +1,7 @@
 """KVTierConnector against vLLM 0.33's own interfaces: factory, ABCs and signatures, hashing, events.
 
-Runs where vLLM imports (the engine-interface environment: see README, "vLLM conformance tests");
+Runs where vLLM imports (the engine-interface environment: see docs/engines.md, "Conformance with the
+engines' own interfaces");
 skipped elsewhere.
 """
 

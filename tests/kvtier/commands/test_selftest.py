@@ -1,4 +1,4 @@
-"""`kvtier selftest` — what the README's first command runs — passes on this machine."""
+"""`kvtier selftest` — what the README's set-up section offers as a first check — passes on this machine."""
 
 from __future__ import annotations
 

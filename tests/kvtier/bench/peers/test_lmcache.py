@@ -1,7 +1,7 @@
 """The LMCache peer of `kvtier bench peers` (kvtier/bench/peers/lmcache.py).
 
 Without LMCache (the project's own venv and CI) only the note path runs; where LMCache is
-installed (README: "to get the LMCache rows") its real LocalCPUBackend is driven: a run of several
+installed (docs/benchmarks.md, "LMCache rows") its real LocalCPUBackend is driven: a run of several
 threads, the figures, nothing left held afterwards, and an undersized arena said, not evicted.
 """
 
@@ -16,8 +16,8 @@ import pytest
 from kvtier.bench.peers import lmcache as peers_lmcache
 
 HAVE_LMCACHE = importlib.util.find_spec("lmcache") is not None
-needs_lmcache = pytest.mark.skipif(not HAVE_LMCACHE, reason="LMCache is not installed here (README: "
-                                                            "'to get the LMCache rows')")
+needs_lmcache = pytest.mark.skipif(not HAVE_LMCACHE, reason="LMCache is not installed here (docs/benchmarks.md: "
+                                                            "'LMCache rows')")
 MIB = 1 << 20
 NS = b"kvtier-lmc-test!"
 

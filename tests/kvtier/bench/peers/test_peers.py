@@ -77,7 +77,7 @@ def test_quick_peers_bench_against_real_redis(registered: Path, tmp_path: Path,
             assert row["ratio"] == pytest.approx(row["kvtier"] / row["baseline"])
     captured = capsys.readouterr()
     assert "suite: peers" in captured.out
-    if HAVE_LMCACHE:  # installed as the README says: its rows come (the note in the message if not)
+    if HAVE_LMCACHE:  # installed as docs/benchmarks.md says: its rows come (the note in the message if not)
         lmc_rows = [r for r in rows if r["case"].endswith("vs lmcache")]
         assert len(lmc_rows) == 2 * 2 * 3, captured.err  # sizes x {save, load} x {GB/s, p50, p99}, shm only
         for row in lmc_rows:

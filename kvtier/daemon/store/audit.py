@@ -87,6 +87,8 @@ async def audit(mover: Mover, *, fix: bool, now: float) -> CheckReport:
         bad.extend((m, Tier.GPU) for m, data in zip(in_gpu, copies) if data is None)
     report.corrupt.extend((m.key, tier) for m, tier in bad)
     if mover.disk is not None:
+        if mover.disk.repair is not None:
+            report.notes.append(f"at start, disk tier {mover.disk.path}: {mover.disk.repair.describe()}")
         await _audit_disk(mover, report, fix, now)
     if fix:
         for meta, tier in bad:
@@ -109,6 +111,10 @@ async def _audit_disk(mover: Mover, report: CheckReport, fix: bool, now: float) 
     bad_disk = [m for m, s in zip(present, status) if s != "ok"]
     report.corrupt.extend((m.key, Tier.DISK) for m in bad_disk)
     orphan_status = await mover.run(_verify_records, disk, report.orphans, [stored[k] for k in report.orphans])
+    # Block files the metadata does not list (and that are not free): valid records whose entries
+    # were lost. Orphans too: ``fix`` lists them again and adopts them.
+    unlisted = [f for f in await mover.run(disk.unlisted) if f.key not in stored]
+    report.orphans.extend(BlockKey(f.key) for f in unlisted)
     if not fix:
         return
     missing = set(report.missing)
@@ -129,6 +135,22 @@ async def _audit_disk(mover: Mover, report: CheckReport, fix: bool, now: float) 
             junk.append(key)
     if junk:
         await mover.run(disk.delete_many, junk)
+    if not unlisted:
+        return
+    relisted = {BlockKey(k) for k in await mover.run(disk.adopt, unlisted)}
+    back = [f for f in unlisted if f.key in relisted]
+    status = await mover.run(_verify_records, disk, [BlockKey(f.key) for f in back], [f.header for f in back])
+    drop = []
+    for f, s in zip(back, status):
+        key = BlockKey(f.key)
+        h = parse_stored_header(key, f.header) if s == "ok" else None
+        if h is not None and _adopt(mover, key, f.header, h, now):
+            report.adopted.append(key)
+            mover.emit(EventKind.STORED, Tier.DISK, index.get(key))
+        else:
+            drop.append(key)
+    if drop:
+        await mover.run(disk.delete_many, drop)
 
 
 def _list_meta(disk: DiskTier) -> list[tuple[BlockKey, bytes]]:

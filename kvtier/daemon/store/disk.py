@@ -22,6 +22,21 @@ or unlinked only after the meta deletion (or overwrite) that dropped it was comm
 no meta entry names (a crash between the two steps) are free again at open. A meta entry whose
 file is gone reads as a miss.
 
+Damaged metadata: a cache must never refuse to start over its own metadata, and never lose
+blocks silently over it, and every block file is self-describing (a header naming its namespace,
+key and checksum), so the metadata can always be rebuilt from the files. At open the metadata is
+damaged when RocksDB fails to open it (a truncated or missing table, MANIFEST or CURRENT), when
+the full scan of its entries hits a damaged table (a flipped byte), when it is new while block
+files exist, or when block files exist that it does not list and that the free list saved at the
+last clean close does not name either. Then ``meta`` is moved aside (``meta.damaged-<UTC time>``,
+kept for the operator), a new one is built from the headers of the block files (not the free
+ones, where the free list tells them), the repair is logged and described in
+:attr:`DiskTier.repair`.
+
+Who owns the directory: ``owner.lock`` (:class:`~kvtier.daemon.store.owner.OwnerLock`), taken
+before anything else and held until :meth:`DiskTier.close`; a second process is refused with
+one line naming the holder. Directories are made 0700 and files 0600, whatever the umask.
+
 Durability: by default the payload is on the device when ``pwrite`` returns (O_DIRECT) and the
 meta commit is in RocksDB's write-ahead log, unsynced: this survives a crash or SIGKILL of the
 process, not a power loss. ``sync_writes=True`` fdatasyncs each file, fsyncs its directory and
@@ -35,19 +50,60 @@ file I/O releases the GIL (RocksDB calls hold it, but carry only small metadata 
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
-from kvtier_protocol.errors import StorageError
-from kvtier_protocol.header import payload_checksum
+from kvtier_protocol.errors import KVTierError, StorageError
+from kvtier_protocol.header import decode_header, payload_checksum
+from kvtier_protocol.header_types import PREAMBLE_LEN
 
 from kvtier.daemon.store.disk_files import BlockFiles, Payload
-from kvtier.daemon.store.disk_io import BufferPool, copy_into
+from kvtier.daemon.store.disk_io import ALIGN, BufferPool, copy_into, file_bytes
 from kvtier.daemon.store.disk_meta import Location, MetaDB, storage_errors
 from kvtier.daemon.store.disk_ram import tune_glibc_malloc
+from kvtier.daemon.store.owner import OwnerLock
+from kvtier.daemon.store.types import make_key
 
+log = logging.getLogger(__name__)
 MIB = 1 << 20
+_COMMIT_BATCH = 1024  # meta entries per batch while rebuilding
+# RocksDB open failures that are not damage of the metadata: rebuilding would not help.
+_NOT_DAMAGE = ("While lock file", "Resource temporarily unavailable", "Permission denied", "No space left",
+               "Read-only file system")
+
+
+@dataclass(frozen=True, slots=True)
+class MetaRepair:
+    """How the metadata was found damaged at open, and rebuilt from the block files.
+
+    Attributes:
+        reason: what showed the damage (RocksDB's error, or a count of files against entries).
+        moved_to: where the damaged metadata was moved (kept for the operator).
+        adopted: block files whose record is listed again.
+        skipped: block files left free (the free list named them, or no valid record in them).
+    """
+
+    reason: str
+    moved_to: str
+    adopted: int
+    skipped: int
+
+    def describe(self) -> str:
+        return (f"metadata damaged ({self.reason}); moved aside to {self.moved_to}; rebuilt from "
+                f"the block files: {self.adopted} records listed again, {self.skipped} files left free")
+
+
+@dataclass(frozen=True, slots=True)
+class Unlisted:
+    """A block file that the metadata does not list and that is not a free file: a valid record."""
+
+    fid: int
+    key: bytes
+    header: bytes
 
 
 class DiskTier:
@@ -75,8 +131,14 @@ class DiskTier:
             refused (StorageError) before any byte is written, so RocksDB (whose failed write is
             a sticky error) always has room for its log and tables. Default: eight memtables.
 
+    Attributes:
+        repair: the metadata repair made at open (None: the metadata was sound).
+        previous_owner: the pid of the process that held the directory before, and is gone now
+            (None: none recorded, or it closed the tier cleanly).
+
     Raises:
-        StorageError: the tier cannot be opened (bad path, permissions, corruption, locked).
+        DirectoryBusy: another live process has the tier open (a StorageError).
+        StorageError: the tier cannot be opened (bad path, permissions, a full disk).
     """
 
     def __init__(self, path: str | os.PathLike[str], capacity_bytes: int, *, sync_writes: bool = False,
@@ -92,34 +154,168 @@ class DiskTier:
         self.buffers = BufferPool(buffer_pool_bytes)
         self._lock = threading.Lock()  # serialises writes with their byte accounting and file ids
         self._closed = False
-        self._meta = MetaDB(self.path, sync=sync_writes, max_background_jobs=max_background_jobs,
-                            write_buffer_bytes=write_buffer_bytes)
+        self.repair: MetaRepair | None = None
+        self._owner = OwnerLock.acquire(self.path)  # first: nothing else may touch a live tier's files
+        self.previous_owner = self._owner.previous_pid
+        self._meta_args = {"sync": sync_writes, "max_background_jobs": max_background_jobs,
+                           "write_buffer_bytes": write_buffer_bytes}
         try:
             with storage_errors(f"open {self.path}"):
                 self._keep_free = keep_free_bytes
                 self._files = BlockFiles(os.path.join(self.path, "data"), self.buffers, keep_free_bytes=0,
                                          sync=sync_writes, direct=direct_io)
                 try:
-                    self._scan()
+                    self._open_meta()
                 except BaseException:
                     self._files.close()
                     raise
         except BaseException:
+            self._owner.release()
+            raise
+
+    def _open_meta(self) -> None:
+        """Open the metadata, check it against the block files, rebuild it if damaged, and count
+        the records; the files no record names are free."""
+        free = self._files.take_free_list()
+        entries: list[tuple[bytes, Location]] = []
+        reason = None
+        try:
+            self._meta = MetaDB(self.path, **self._meta_args)
+        except StorageError as e:
+            if any(s in str(e) for s in _NOT_DAMAGE):
+                raise
+            reason = str(e)
+        if reason is None:
+            try:
+                entries = list(self._meta.entries())
+                reason = self._count_check(entries, free)
+            except StorageError as e:
+                reason = str(e)
+            if reason is not None:
+                self._meta.close()
+        if reason is not None:
+            self._rebuild(reason, free)
+            entries = list(self._meta.entries())
+        try:
+            used = count = fbytes = 0
+            live: set[int] = set()
+            for _, loc in entries:
+                used += loc.length
+                count += 1
+                fbytes += loc.file_bytes
+                live.add(loc.fid)
+            self._used, self._count, self._file_bytes = used, count, fbytes
+            self._files.keep_free_bytes = self._free_budget()
+            self._files.reclaim(live)
+        except BaseException:
             self._meta.close()
             raise
 
-    def _scan(self) -> None:
-        """Count the records from meta alone; the files no record names are free."""
-        used = count = fbytes = 0
-        live: set[int] = set()
-        for _, loc in self._meta.entries():
-            used += loc.length
-            count += 1
-            fbytes += loc.file_bytes
-            live.add(loc.fid)
-        self._used, self._count, self._file_bytes = used, count, fbytes
-        self._files.keep_free_bytes = self._free_budget()
-        self._files.reclaim(live)
+    def _count_check(self, entries: list[tuple[bytes, Location]], free: set[int] | None) -> str | None:
+        """Why the block files show the metadata damaged (None: they do not)."""
+        if not self._meta.fresh and free is None:
+            return None  # after a crash the free files are not known: nothing to count against
+        live = {loc.fid for _, loc in entries}
+        files = self._files.scan()
+        if self._meta.fresh and files:
+            return f"the metadata is new but {len(files)} block files exist"
+        unlisted = [fid for fid, size in files.items()  # not counting partial files (a crash mid-write)
+                    if fid not in live and (free is None or fid not in free) and size and size % ALIGN == 0]
+        if unlisted:
+            return (f"{len(unlisted)} block files are neither listed by the metadata ({len(entries)} "
+                    f"entries) nor free")
+        return None
+
+    def _rebuild(self, reason: str, free: set[int] | None) -> None:
+        """Move the damaged metadata aside and list again every valid record file (not the free
+        ones where ``free`` names them); the newest file of a key wins."""
+        meta_path = os.path.join(self.path, "meta")
+        moved = f"{meta_path}.damaged-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+        n = 1
+        while os.path.exists(moved if n == 1 else f"{moved}-{n}"):
+            n += 1
+        moved = moved if n == 1 else f"{moved}-{n}"
+        if os.path.exists(meta_path):
+            os.rename(meta_path, moved)
+        self._meta = MetaDB(self.path, **self._meta_args)
+        try:
+            best: dict[bytes, tuple[int, Location]] = {}
+            skipped = 0
+            for fid, size in sorted(self._files.scan().items()):
+                found = None if free is not None and fid in free else self._read_record_head(fid, size)
+                if found is None:
+                    skipped += 1
+                    continue
+                key, loc = found
+                if key in best:
+                    skipped += 1  # an older file of the same key (overwritten): free
+                best[key] = (fid, loc)
+            puts = [(key, Location(loc.length, fid, loc.header)) for key, (fid, loc) in best.items()]
+            for i in range(0, len(puts), _COMMIT_BATCH):
+                self._meta.commit(puts[i:i + _COMMIT_BATCH])
+            self._meta.flush()
+        except BaseException:
+            self._meta.close()
+            raise
+        self.repair = MetaRepair(" ".join(reason.split()), moved, len(puts), skipped)  # one line
+        log.warning("kvtier disk tier %s: %s", self.path, self.repair.describe())
+
+    def _read_record_head(self, fid: int, size: int) -> tuple[bytes, Location] | None:
+        """The key and meta entry of block file ``fid`` from its header, if it holds a whole
+        record of a valid header (the payload is verified when it is read)."""
+        try:
+            head = self._files.read_head(fid, ALIGN)
+            if len(head) >= PREAMBLE_LEN:
+                need = PREAMBLE_LEN + int.from_bytes(head[8:12], "little")
+                if need > len(head) and need <= size:
+                    head = self._files.read_head(fid, need)
+            h, end = decode_header(head)
+        except (OSError, KVTierError):
+            return None
+        if size != file_bytes(end, h.payload_len):
+            return None  # a partial file (a crash while it was written), or foreign
+        return make_key(h.ns_id, h.chain_hash), Location(end + h.payload_len, fid, bytes(head[:end]))
+
+    def unlisted(self) -> list[Unlisted]:
+        """The block files that the metadata does not list and that are not free, holding a valid
+        record (one header read each). None exist unless something wrote files behind the tier."""
+        with self._lock, storage_errors("scan"):
+            self._check_open()
+            live = {loc.fid for _, loc in self._meta.entries()}
+            free = self._files.free_ids()
+            out = []
+            for fid, size in sorted(self._files.scan().items()):
+                if fid in live or fid in free:
+                    continue
+                found = self._read_record_head(fid, size)
+                if found is not None:
+                    out.append(Unlisted(fid, found[0], found[1].header))
+            return out
+
+    def adopt(self, files: Sequence[Unlisted]) -> list[bytes]:
+        """List again the records of ``files`` (from :meth:`unlisted`) whose key has no entry;
+        returns their keys. The others' files become free.
+
+        Raises:
+            StorageError: the meta write failed.
+        """
+        with self._lock, storage_errors("adopt"):
+            self._check_open()
+            free = self._files.free_ids()
+            found: dict[bytes, Location] = {}
+            drop: list[tuple[int, int]] = []
+            for f, old in zip(files, self._meta.locate([f.key for f in files])):
+                size = os.stat(self._files.path(f.fid)).st_size
+                if old is not None or f.key in found or f.fid in free:
+                    if f.fid not in free:
+                        drop.append((f.fid, size))
+                    continue
+                found[f.key] = Location(len(f.header) + _payload_len(f.header), f.fid, f.header)
+            self._meta.commit(list(found.items()))
+            self._account(list(found.values()), [])
+            self._files.release(drop)
+            self._files.next_id = max([self._files.next_id] + [f.fid + 1 for f in files])
+            return list(found)
 
     # --- writes --------------------------------------------------------------------------------
 
@@ -308,6 +504,10 @@ class DiskTier:
         """Wait until the unlinks of free files beyond ``keep_free_bytes`` are done."""
         self._files.drain()
 
+    def free_files(self) -> tuple[int, int]:
+        """Files kept free for reuse (no record names them), and their bytes."""
+        return len(self._files.free_ids()), self._files.free_bytes
+
     def live_files(self) -> list[str]:
         """Paths of the block files, free ones included."""
         return self._files.listing()
@@ -336,9 +536,15 @@ class DiskTier:
                 return
             self._closed = True
             try:
-                self._files.close()
+                try:
+                    self._files.close()
+                finally:
+                    self._meta.close()
+                # Last, once nothing can change: the free files, for the next open's count check.
+                with storage_errors("close"):
+                    self._files.save_free_list()
             finally:
-                self._meta.close()
+                self._owner.release()
 
     def __enter__(self) -> DiskTier:
         return self
@@ -362,6 +568,10 @@ class DiskTier:
     def _check_open(self) -> None:
         if self._closed:
             raise StorageError("the disk tier is closed")
+
+
+def _payload_len(header: bytes) -> int:
+    return decode_header(header)[0].payload_len
 
 
 def _free_space(path: str) -> int:

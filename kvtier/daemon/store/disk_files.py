@@ -23,12 +23,17 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import xxhash
+
 from kvtier.daemon.store.disk_io import ALIGN, BufferPool, DirectFiles
+from kvtier.daemon.store.owner import FILE_MODE, private_dir
 
 log = logging.getLogger(__name__)
 SHARDS = 256  # directories: keeps each small at millions of blocks
 Payload = bytes | bytearray | memoryview
 _HEX = frozenset("0123456789abcdef")
+FREE_LIST = "free-ids"  # in the data directory: the free files at the last clean close
+_FREE_MAGIC = b"KVTFREE1"
 
 
 class BlockFiles:
@@ -53,8 +58,9 @@ class BlockFiles:
         self._age: OrderedDict[int, int] = OrderedDict()  # every free id -> its bytes, oldest first
         self.free_bytes = 0
         self._lock = threading.Lock()  # the free lists (callers come from several I/O threads)
+        private_dir(root)
         for d in self._dirs():
-            os.makedirs(d, exist_ok=True)
+            private_dir(d)
         self._reaper = ThreadPoolExecutor(1, thread_name_prefix="kvtier-unlink")
         # Writes files while the caller copies and hashes the next payload (write_many).
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvtier-disk-write")
@@ -80,6 +86,70 @@ class BlockFiles:
                 os.unlink(os.path.join(d, name))  # not a block file (here), or a partial one of a crash
         self.next_id = top + 1
         self._trim()
+
+    def scan(self) -> dict[int, int]:
+        """``{id: bytes}`` of every file named as a block file in its shard (free ones included)."""
+        out: dict[int, int] = {}
+        for d in self._dirs():
+            for name in os.listdir(d):
+                fid = int(name, 16) if len(name) == 16 and _HEX.issuperset(name) else None
+                if fid is not None and self.path(fid) == os.path.join(d, name):
+                    with contextlib.suppress(FileNotFoundError):
+                        out[fid] = os.stat(os.path.join(d, name)).st_size
+        return out
+
+    def read_head(self, fid: int, nbytes: int) -> bytes:
+        """Up to ``nbytes`` from the start of file ``fid`` (buffered: a one-off read of a header).
+
+        Raises:
+            OSError: the file cannot be read.
+        """
+        fd = os.open(self.path(fid), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            return os.pread(fd, nbytes, 0)
+        finally:
+            os.close(fd)
+
+    def free_ids(self) -> set[int]:
+        """The ids of the free files now."""
+        with self._lock:
+            return set(self._age)
+
+    def save_free_list(self) -> None:
+        """Record the free files' ids (at a clean close, after :meth:`close`): the next open then
+        knows that every other file is a record's, and a file that its metadata does not list is
+        a sign of damaged metadata (see ``DiskTier``), not a free file."""
+        ids = sorted(self.free_ids())
+        body = _FREE_MAGIC + len(ids).to_bytes(8, "little") + b"".join(i.to_bytes(8, "little") for i in ids)
+        body += xxhash.xxh3_64_intdigest(body).to_bytes(8, "little")
+        path = os.path.join(self.root, FREE_LIST)
+        tmp = path + ".tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE)
+        try:
+            os.write(fd, body)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+
+    def take_free_list(self) -> set[int] | None:
+        """The ids :meth:`save_free_list` recorded, and remove the record (it describes only the
+        close it was written at: after a crash there is none). None: no valid record."""
+        path = os.path.join(self.root, FREE_LIST)
+        try:
+            with open(path, "rb") as f:
+                body = f.read()
+        except FileNotFoundError:
+            return None
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        n = int.from_bytes(body[8:16], "little") if len(body) >= 16 else -1
+        if (not body.startswith(_FREE_MAGIC) or len(body) != 24 + 8 * n
+                or xxhash.xxh3_64_intdigest(body[:-8]) != int.from_bytes(body[-8:], "little")):
+            log.warning("kvtier disk tier: %s is damaged: ignored", path)
+            return None
+        return {int.from_bytes(body[16 + 8 * i:24 + 8 * i], "little") for i in range(n)}
 
     def write(self, header: bytes, payload: Payload, nbytes: int) -> int:
         """Write a record whose file takes ``nbytes``, over a free file of that size if there is

@@ -109,7 +109,8 @@ class BufferPool:
 
 
 class DirectFiles:
-    """Opens block files with O_DIRECT, or buffered where the file system refuses it (logged once)."""
+    """Opens block files with O_DIRECT, or buffered where the file system refuses it (logged once).
+    New files are 0600 (the umask may only remove bits): a block file holds a user's KV cache."""
 
     def __init__(self, sync: bool, direct: bool = True) -> None:
         self.sync = sync
@@ -118,13 +119,13 @@ class DirectFiles:
     def open(self, path: str, flags: int) -> int:
         if self.direct:
             try:
-                return os.open(path, flags | os.O_DIRECT, 0o644)
+                return os.open(path, flags | os.O_DIRECT, 0o600)
             except OSError as e:
                 if e.errno != errno.EINVAL:
                     raise
                 self.direct = False
                 log.warning("kvtier disk tier: %s refuses O_DIRECT; using buffered I/O", os.path.dirname(path))
-        return os.open(path, flags, 0o644)
+        return os.open(path, flags, 0o600)
 
     def write(self, path: str, header: bytes, payload: bytes | bytearray | memoryview, pool: BufferPool,
               *, create: bool = True) -> None:

@@ -19,6 +19,7 @@ from rocksdict import DBCompressionType, Options, Rdict, WriteBatch, WriteOption
 from kvtier_protocol.errors import KVTierError, StorageError
 
 from kvtier.daemon.store.disk_io import file_bytes
+from kvtier.daemon.store.owner import FILE_MODE, private_dir, tighten
 
 log = logging.getLogger(__name__)
 _LOC = struct.Struct("<QQ")  # record length, file id: the prefix of a meta value
@@ -69,6 +70,11 @@ class MetaDB:
     A directory of the former layout (whole records in RocksDB directly in the tier's
     directory) is removed with one log line: the tier is a cache, its records are dropped.
 
+    RocksDB runs with paranoid checks (a damaged MANIFEST, table or log fails the open) and
+    :meth:`entries` raises on a damaged table instead of ending early; the owner
+    (:class:`~kvtier.daemon.store.disk.DiskTier`) rebuilds the metadata from the block files then.
+    ``fresh`` tells whether the database was just created (no layout marker found).
+
     Raises:
         StorageError: the database cannot be opened (bad path, permissions, corruption, locked).
     """
@@ -82,18 +88,24 @@ class MetaDB:
         opts.set_max_total_wal_size(4 * write_buffer_bytes)
         opts.set_write_buffer_size(write_buffer_bytes)
         opts.set_compression_type(DBCompressionType.none())  # keys are hashes, headers small: no gain
+        opts.set_paranoid_checks(True)
         self.path = os.path.join(tier_path, "meta")
         self._write_opts = WriteOptions()
         self._write_opts.sync = sync
         with storage_errors(f"open {tier_path}"):
-            os.makedirs(tier_path, exist_ok=True)
+            private_dir(tier_path)
             _drop_old_layout(tier_path)
+            private_dir(self.path)  # RocksDB would make it 0777 less the umask
             self._db = Rdict(self.path, opts, column_families={_BLOCKS: opts})
+        self.fresh = False
         try:
             with storage_errors(f"open {tier_path}"):
                 self._blocks = self._db.get_column_family(_BLOCKS)
                 self._cf = self._db.get_column_family_handle(_BLOCKS)
                 self._check_format()
+                for name in os.listdir(self.path):  # RocksDB makes its files 0666 less the umask
+                    with contextlib.suppress(FileNotFoundError):
+                        tighten(os.path.join(self.path, name), FILE_MODE)
         except BaseException:
             self.close()
             raise
@@ -106,9 +118,18 @@ class MetaDB:
         return [None if v is None else Location.decode(v) for v in self._blocks.get(list(keys))]
 
     def entries(self) -> Iterator[tuple[bytes, Location]]:
-        """Every entry, in key order."""
-        for key, value in self._blocks.items():
-            yield key, Location.decode(value)
+        """Every entry, in key order.
+
+        Raises:
+            StorageError: a table is damaged (rocksdict's ``items()`` would just stop there).
+        """
+        with storage_errors("scan"):
+            it = self._blocks.iter()
+            it.seek_to_first()
+            while it.valid():
+                yield it.key(), Location.decode(it.value())
+                it.next()
+            it.status()
 
     def commit(self, puts: Sequence[tuple[bytes, Location]], deletes: Sequence[bytes] = ()) -> None:
         """Apply puts and deletes in one atomic batch (synced with ``sync``)."""
@@ -162,6 +183,7 @@ class MetaDB:
         found = self._db.get(_FORMAT_KEY)
         if found == _FORMAT:
             return
+        self.fresh = found is None
         if found is not None:
             log.warning("kvtier disk tier: %s holds layout %r, not %r: dropping its records", self.path, found, _FORMAT)
             self.commit([], list(self._blocks.keys()))

@@ -93,6 +93,8 @@ class HostTier(SlabBackedTier):
         name_prefix: prefix of segment names; each name is ``prefix-pid-random``. Segments of this
             prefix left by a process that is gone (killed before it could unlink them) are
             removed first (:func:`kvtier.daemon.store.shm.reclaim_stale`).
+        gone_pids: pids known to be dead (the previous owner of the store's directory, whose
+            owner lock was free), whose segments go even if the pid still shows (a zombie).
         prefault: fault every page in the background so first writes are not slowed by page faults.
         pin: register the segments with CUDA (page-locked, for fast DMA) in the background.
             None: when CUDA is available. False: never. True: when CUDA is available (never an error).
@@ -104,7 +106,8 @@ class HostTier(SlabBackedTier):
     """
 
     def __init__(self, capacity_bytes: int, *, segment_bytes: int = GIB, name_prefix: str = "kvtier",
-                 prefault: bool = True, pin: bool | None = None, slab_bytes: int = 64 << 20) -> None:
+                 prefault: bool = True, pin: bool | None = None, slab_bytes: int = 64 << 20,
+                 gone_pids: frozenset[int] = frozenset()) -> None:
         self._alloc = SlabAllocator(capacity_bytes, segment_bytes=min(segment_bytes, capacity_bytes),
                                     alignment=max(4096, mmap.PAGESIZE), slab_bytes=slab_bytes)
         self._res = _Resources()
@@ -113,7 +116,7 @@ class HostTier(SlabBackedTier):
         self.prefault_done = threading.Event()
         self.pin_done = threading.Event()
         self.prefault_error: KVTierError | None = None
-        for name, nbytes in shm.reclaim_stale(name_prefix):  # first: a full /dev/shm would refuse ours
+        for name, nbytes in shm.reclaim_stale(name_prefix, gone_pids):  # first: a full /dev/shm would refuse ours
             log.warning("removed shared-memory segment %s (%d MiB) left by a process that is gone",
                         name, nbytes >> 20)
         try:

@@ -74,15 +74,8 @@ async def open_parts(cfg: StoreConfig, shared: Shared) -> StoreParts:
     gpu: GpuTier | None = None
     disk: DiskTier | None = None
     try:
-        host = HostTier(cfg.host_bytes, segment_bytes=cfg.segment_bytes, name_prefix=cfg.host_name_prefix,
-                        prefault=cfg.host_prefault, pin=cfg.host_pin)
-        # The allocators round capacities down to whole pages / alignments: account against what exists.
-        index.capacity[Tier.HOST] = min(cfg.host_bytes, host.capacity)
-        if cfg.gpu_bytes:
-            from kvtier.daemon.store.gpu_setup import open_gpu_tier  # imports torch
-
-            gpu = open_gpu_tier(cfg)
-            index.capacity[Tier.GPU] = min(cfg.gpu_bytes, gpu.capacity)
+        # The disk tier first: it takes the directory's owner lock, which tells whether the
+        # previous owner is gone (its shared-memory segments go before ours are made).
         if cfg.disk_path is not None:
             path = cfg.disk_path
             write_buffer, trim, buffers = ram_budget(cfg.host_bytes)
@@ -90,6 +83,18 @@ async def open_parts(cfg: StoreConfig, shared: Shared) -> StoreParts:
                 pool, lambda: DiskTier(path, cfg.disk_bytes, sync_writes=cfg.disk_sync_writes,
                                        write_buffer_bytes=write_buffer, malloc_trim_bytes=trim,
                                        buffer_pool_bytes=buffers))
+            if disk.repair is not None:
+                shared.counters.disk_meta_rebuilds += 1
+        gone = frozenset([disk.previous_owner]) if disk is not None and disk.previous_owner else frozenset()
+        host = HostTier(cfg.host_bytes, segment_bytes=cfg.segment_bytes, name_prefix=cfg.host_name_prefix,
+                        prefault=cfg.host_prefault, pin=cfg.host_pin, gone_pids=gone)
+        # The allocators round capacities down to whole pages / alignments: account against what exists.
+        index.capacity[Tier.HOST] = min(cfg.host_bytes, host.capacity)
+        if cfg.gpu_bytes:
+            from kvtier.daemon.store.gpu_setup import open_gpu_tier  # imports torch
+
+            gpu = open_gpu_tier(cfg)
+            index.capacity[Tier.GPU] = min(cfg.gpu_bytes, gpu.capacity)
         mover = Mover(cfg, index, host, disk, gpu, shared.counters, shared.events, shared.admission, pool)
         parts = StoreParts(pool, host, gpu, disk, mover,
                            BlockWriter(cfg, index, mover, shared.leases, shared.admission, shared.counters, shared.now),

@@ -134,6 +134,8 @@ class CheckReport:
         accounting: mismatches between the index's byte counters and its blocks.
         adopted: orphans that were valid and were added to the index (``fix=True``).
         fixed: whether repairs were applied.
+        notes: what was found and repaired before (the disk tier's metadata rebuilt at start);
+            informative, not problems.
     """
 
     missing: list[BlockKey] = field(default_factory=list)
@@ -142,6 +144,7 @@ class CheckReport:
     accounting: list[str] = field(default_factory=list)
     adopted: list[BlockKey] = field(default_factory=list)
     fixed: bool = False
+    notes: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:

@@ -41,12 +41,15 @@ def unique_name(prefix: str) -> str:
     return check_name(f"{prefix}-{os.getpid()}-{secrets.token_hex(_RANDOM_BYTES)}")
 
 
-def reclaim_stale(prefix: str) -> list[tuple[str, int]]:
+def reclaim_stale(prefix: str, gone: frozenset[int] = frozenset()) -> list[tuple[str, int]]:
     """Unlink the segments named ``prefix-PID-…`` (:func:`unique_name`) whose process is gone.
 
     A daemon killed with SIGKILL (the OOM killer, say) cannot unlink its segments, and /dev/shm is
     memory: gigabytes stay taken until the files go, and a restart allocates as much again. A
-    segment whose pid is alive is left alone, whoever that pid now is. Unlinking is also harmless
+    segment whose pid is alive is left alone, whoever that pid now is. A pid is gone when it is in
+    ``gone`` (known dead: the caller took the owner lock that process held, see
+    :mod:`kvtier.daemon.store.owner`), or no process has it, or its process is a zombie (dead, not
+    yet reaped: ``kill(pid, 0)`` still succeeds on it). Unlinking is also harmless
     if a pid were misjudged (another PID namespace sharing /dev/shm): the segments are handed out
     as descriptors, and the mappings and descriptors already held stay valid.
 
@@ -61,7 +64,7 @@ def reclaim_stale(prefix: str) -> list[tuple[str, int]]:
         return removed
     for name in names:
         m = pattern.fullmatch(name)
-        if m is None or _alive(int(m.group(1))):
+        if m is None or (int(m.group(1)) not in gone and _alive(int(m.group(1)))):
             continue
         path = os.path.join(SHM_DIR, name)
         try:
@@ -82,7 +85,18 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True  # another user's live process
-    return True
+    return not _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    """Whether ``pid`` has exited and waits to be reaped (state Z in /proc; False where unknown)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    # "pid (comm) S ...": comm may hold spaces and parentheses, the state follows the last ")".
+    return stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3] in (b"Z", b"X")
 
 
 def check_name(name: str) -> str:

@@ -62,6 +62,7 @@ class StoreCounters:
     lease_expiries: int = 0  # leases reclaimed because their time ran out
     deletes: int = 0  # blocks removed by delete / clear
     events_dropped: int = 0  # events discarded because nobody took them in time
+    disk_meta_rebuilds: int = 0  # disk tier metadata found damaged at open and rebuilt from the block files
 
     def count_acquire(self, served: list[tuple[int, Tier, Tier]], *, missed: bool, disk_on: bool) -> None:
         """Count one acquire.

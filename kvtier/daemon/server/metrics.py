@@ -81,6 +81,7 @@ STORE_COUNTERS: tuple[Exported, ...] = (
     Exported("lease_expiries", "kvtier_lease_expiries", "Leases reclaimed because their time ran out."),
     Exported("deletes", "kvtier_deletes", "Blocks removed by delete or clear."),
     Exported("events_dropped", "kvtier_store_events_dropped", "Store events discarded because nobody took them."),
+    Exported("disk_meta_rebuilds", "kvtier_disk_meta_rebuilds", "Disk tier metadata found damaged at start, rebuilt."),
 )
 """Store-wide counters of ``StoreCounters`` (its ``tiers`` map is :data:`TIER_COUNTERS`)."""
 

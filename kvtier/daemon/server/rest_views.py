@@ -238,4 +238,5 @@ def check_view(report: CheckReport) -> dict[str, Any]:
         "corrupt": [{**_key_view(k), "tier": tier_label(t)} for k, t in report.corrupt[:n]],
         "accounting": report.accounting[:n],
         "adopted": [_key_view(k) for k in report.adopted[:n]],
+        "notes": report.notes[:n],
     }

@@ -71,7 +71,9 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
                         format=stamp + "%(levelname)s %(name)s: %(message)s")
     from kvtier.daemon.server.daemon import run_daemon
+    from kvtier.daemon.store.owner import private_umask
 
+    private_umask()  # RocksDB's files too are made 0600, whatever the umask kvtier serve inherits
     try:
         import uvloop  # optional: a faster event loop where installed
     except ImportError:

@@ -43,6 +43,7 @@ from kvtier.daemon.server.metrics import Metrics
 from kvtier.daemon.server.rest import create_rest_app
 from kvtier.daemon.server.sdnotify import SdNotifier
 from kvtier.daemon.store.config import StoreConfig, StoreConfigError
+from kvtier.daemon.store.owner import private_dir
 from kvtier.daemon.store.store import TieredStore
 
 log = logging.getLogger(__name__)
@@ -139,7 +140,7 @@ class Daemon:
         """Open the store and every service; raises KVTierError or OSError (the caller cleans up)."""
         cfg = self.config
         started_at = time.time()
-        os.makedirs(cfg.data_dir, mode=0o700, exist_ok=True)
+        private_dir(cfg.data_dir)  # 0700 whatever the umask; a pre-existing one of ours is tightened
         store_cfg = gpu_checked(cfg.store)
         _log_tiers(store_cfg)
         self._store = TieredStore(store_cfg)

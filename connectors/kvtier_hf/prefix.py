@@ -75,7 +75,7 @@ class HFPrefixCache:
                 files are digested into the namespace; default ``model.name_or_path``.
             address: the daemon (``"unix:/path"`` or ``"tcp://host:port"``); default: the
                 daemon's default socket.
-            block_tokens: tokens per stored block (also the hash unit).
+            block_tokens: tokens per stored block (the hash unit: :func:`kvtier.connector.namespace.hash_tokens_for`).
             codec: how blocks are stored (``"raw"``, ``"int8"``, ...).
             model_id: model id in the namespace (default: config.json's ``model_type``).
             tenant_salt: tenant isolation salt.
@@ -90,8 +90,10 @@ class HFPrefixCache:
         if not path or not os.path.isdir(path):
             raise NamespaceError(f"pass checkpoint=<local checkpoint directory>: {path!r} is not one, and the "
                                  "namespace needs the weights' digest")
+        # hash_tokens by the rule every engine follows (hash_tokens_for): the reference engine and
+        # vLLM at the same block size land in this namespace.
         ns = namespace_for_checkpoint(path, kv_dtype=dtype_name(model.dtype), block_tokens=block_tokens,
-                                      hash_tokens=block_tokens, codec=codec, tenant_salt=tenant_salt, model=model_id)
+                                      codec=codec, tenant_salt=tenant_salt, model=model_id)
         if ns.attention != "mha":
             raise LayoutError(f"{ns.model} uses MLA; kvtier_hf saves per-head K/V caches only")
         return cls(KVConnectorCore(ns, address=address, timeout_s=timeout_s, token=token), model)

@@ -146,8 +146,24 @@ def geometry_from_config(config: dict[str, Any], *, tp_size: int = 1) -> dict[st
             "head_dim": head_dim, "head_dim_v": head_dim, "mla_rope_dim": 0}
 
 
+def hash_tokens_for(block_tokens: int) -> int:
+    """Tokens per hash unit of an engine whose KV pages hold ``block_tokens`` tokens: the page itself.
+
+    The one rule every engine of a checkpoint follows, so that what one stores another finds:
+    ``hash_tokens`` is part of the namespace and sets the chain of hashes that names a block,
+    so two engines at block size 32 share KV only if both hash 32-token units. vLLM hashes its
+    requests in units of ``hash_block_size``, which is its block size for a model with one
+    KV-cache group (kvtier_vllm takes it from vLLM's ``KVCacheConfig``); SGLang hashes whole
+    pages. The reference engine and kvtier_hf call this (through
+    :func:`namespace_for_checkpoint`), so at every block size all of them meet in one namespace.
+    """
+    if type(block_tokens) is not int or block_tokens < 1:
+        raise NamespaceError(f"block_tokens must be a positive integer, not {block_tokens!r}")
+    return block_tokens
+
+
 def namespace_for_checkpoint(model_dir: str | os.PathLike[str], *, kv_dtype: Any, block_tokens: int = 16,
-                             hash_tokens: int = 16, codec: str = "raw", tp_rank: int = 0, tp_size: int = 1,
+                             hash_tokens: int | None = None, codec: str = "raw", tp_rank: int = 0, tp_size: int = 1,
                              tenant_salt: str = "", model: str | None = None) -> Namespace:
     """The namespace of KV computed with the checkpoint in ``model_dir``.
 
@@ -155,7 +171,8 @@ def namespace_for_checkpoint(model_dir: str | os.PathLike[str], *, kv_dtype: Any
         model_dir: an HF-format checkpoint directory (config.json + weight files).
         kv_dtype: the engine's KV dtype, a name (``"bfloat16"``) or a torch dtype.
         block_tokens: tokens per stored block (the engine's page size).
-        hash_tokens: tokens per hash unit.
+        hash_tokens: tokens per hash unit; default :func:`hash_tokens_for` ``(block_tokens)``,
+            the rule every engine follows (set it only to match an engine that hashes otherwise).
         codec: how blocks are stored (``"raw"``, ``"int8"``, ...): part of the namespace, so a
             reader asking for raw KV never gets quantized KV.
         tp_rank, tp_size: this shard's tensor-parallel coordinate.
@@ -166,6 +183,8 @@ def namespace_for_checkpoint(model_dir: str | os.PathLike[str], *, kv_dtype: Any
     Raises:
         NamespaceError: an unreadable checkpoint or config, or invalid namespace fields.
     """
+    if hash_tokens is None:
+        hash_tokens = hash_tokens_for(block_tokens)
     root = Path(model_dir)
     config = _read_config(root)
     geometry = geometry_from_config(config, tp_size=tp_size)

@@ -126,8 +126,8 @@ class Engine:
         if self._owns_connector:
             from kvtier.connector import KVConnectorCore, namespace_for_checkpoint
 
-            ns = namespace_for_checkpoint(model_dir, kv_dtype=dtype, block_tokens=block_tokens, codec=codec,
-                                          hash_tokens=16 if block_tokens % 16 == 0 else block_tokens)
+            # hash_tokens by the rule every engine follows (hash_tokens_for), so HF and vLLM find these blocks.
+            ns = namespace_for_checkpoint(model_dir, kv_dtype=dtype, block_tokens=block_tokens, codec=codec)
             connector = KVConnectorCore(ns, address=kvtier_address, codec=codec, timeout_s=timeout_s,
                                         page_layout=self.model.kv_block_layout)
         if connector is not None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from kvtier.connector.namespace import checkpoint_digest, digested_files, namespace_for_checkpoint
+from kvtier.connector.namespace import checkpoint_digest, digested_files, hash_tokens_for, namespace_for_checkpoint
 from kvtier_protocol.errors import NamespaceError
 
 LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 4,
@@ -87,6 +87,16 @@ def test_file_digests_are_cached_by_path_size_and_mtime(tmp_path: Path) -> None:
     assert checkpoint_digest(root) == digest
     os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
     assert checkpoint_digest(root) != digest
+
+
+@pytest.mark.parametrize("block_tokens", [1, 8, 16, 32, 64, 256])
+def test_hash_unit_is_the_block_by_default(tmp_path: Path, block_tokens: int) -> None:
+    # One rule for every engine (vLLM's hash_block_size is its block size): same block size, same namespace.
+    root = checkpoint(tmp_path / "m", LLAMA)
+    ns = namespace_for_checkpoint(root, kv_dtype="float32", block_tokens=block_tokens)
+    assert ns.hash_tokens == hash_tokens_for(block_tokens) == block_tokens and ns.units_per_block == 1
+    with pytest.raises(NamespaceError):
+        hash_tokens_for(0)
 
 
 def test_mha_geometry_from_config_with_tensor_parallelism(tmp_path: Path) -> None:

@@ -5,6 +5,10 @@ checkpoint gives both the same namespace, and blocks travel in a layout each con
 K/V one engine stores are therefore the K/V the other would compute, up to float32 rounding of
 the projections (different GEMM kernels: not bit-identical), and the next-token logits after a
 loaded prefix match the loading engine's own recompute to ≤ 1e-4 relative (seen: ~1e-7).
+
+At every block size both engines (and vLLM) hash in units of the block
+(:func:`kvtier.connector.namespace.hash_tokens_for`), so they meet in one namespace: every full
+block one stores is a hit for the other, and the K/V it loads are bit-for-bit the K/V stored.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from kvtier.engine.checkpoint import make_random_checkpoint
 from kvtier.engine.config import ModelConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.sampler import SamplingParams
+from kvtier_hf import HFPrefixCache
 
 transformers = pytest.importorskip("transformers")
 
@@ -87,3 +92,56 @@ def test_hf_saves_engine_loads(checkpoint: Path, hf_model, kvtier_daemon) -> Non
     assert hit.loaded_tokens == 64 and recompute.loaded_tokens == 0
     assert _rel(hit.first_logits, recompute.first_logits) <= REL
     assert hit.token_ids == recompute.token_ids
+
+
+def _engine_kv(engine: Engine, ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, the K and V ``[H, n*T, D]`` of the full blocks of ``ids`` in the engine's pages."""
+    assert engine.connector is not None
+    pages = [engine.allocator.page_of(h) for h in engine.connector.block_hashes(ids)]
+    assert None not in pages, "every full block of the prompt is in a page"
+    out = []
+    for layer in engine.kv_cache.layers:  # [2, P, T, H, D] (vllm-flash)
+        kv = layer[:, pages].flatten(1, 2).transpose(1, 2)  # [2, H, n*T, D]
+        out.append((kv[0].clone(), kv[1].clone()))
+    return out
+
+
+def _assert_same_kv(cache, engine_kv: list[tuple[torch.Tensor, torch.Tensor]], n: int) -> None:
+    assert len(cache.layers) == len(engine_kv)
+    for layer, (k, v) in zip(cache.layers, engine_kv):
+        assert torch.equal(layer.keys[0, :, :n], k[:, :n]) and torch.equal(layer.values[0, :, :n], v[:, :n])
+
+
+@pytest.mark.parametrize("block_tokens", [16, 32, 64])
+def test_every_full_block_crosses_at_any_block_size(block_tokens: int, checkpoint: Path, hf_model,
+                                                    kvtier_daemon_module) -> None:
+    address = kvtier_daemon_module.address
+    full = 197 // block_tokens  # 197 tokens: the last one is computed whatever the block size
+    n = full * block_tokens
+
+    # The engine stores; HF loads every full block, bit-for-bit the engine's K/V.
+    ids = _prompt(197, seed=100 + block_tokens)
+    with Engine(checkpoint, kvtier_address=address, num_pages=PAGES, block_tokens=block_tokens) as engine:
+        engine.generate([ids], SamplingParams(max_tokens=1))
+        assert engine.stats.saved_blocks == full
+        stored = _engine_kv(engine, ids)
+    with HFPrefixCache.for_model(hf_model, checkpoint, address=address, block_tokens=block_tokens) as kv:
+        cache, loaded = kv.load(ids)
+        assert loaded == n and cache is not None
+        _assert_same_kv(cache, stored, n)
+        out = kv.prefill(ids, logits_to_keep=1)
+        assert (out.reused_tokens, out.saved_blocks) == (n, 0)  # nothing new: the engine stored it all
+    assert _rel(out.logits[0, -1], _hf(hf_model, ids)[0]) <= REL
+
+    # And back: HF stores; the engine loads every full block, bit-for-bit HF's K/V.
+    ids = _prompt(197, seed=200 + block_tokens)
+    with HFPrefixCache.for_model(hf_model, checkpoint, address=address, block_tokens=block_tokens) as kv:
+        out = kv.prefill(ids, logits_to_keep=1)
+        assert (out.reused_tokens, out.saved_blocks) == (0, full)
+    with Engine(checkpoint, num_pages=PAGES, block_tokens=block_tokens) as alone:
+        recompute = alone.generate([ids], SamplingParams(max_tokens=1))[0]
+    with Engine(checkpoint, kvtier_address=address, num_pages=PAGES, block_tokens=block_tokens) as engine:
+        hit = engine.generate([ids], SamplingParams(max_tokens=1))[0]
+        assert hit.loaded_tokens == n and engine.stats.saved_blocks == 0
+        _assert_same_kv(out.cache, _engine_kv(engine, ids), n)
+    assert _rel(hit.first_logits, recompute.first_logits) <= REL

@@ -55,7 +55,8 @@ def load_model(model_dir: str | os.PathLike[str], *, device: torch.device | str 
         for name, tensor in _read_tensors(path, expected, config):
             if name in loaded:
                 raise ModelError(f"{path.name}: tensor {name!r} appears in more than one file")
-            expected[name].copy_(tensor.to(dtype))
+            # Into the parameter's dtype: ``dtype``, but float32 for an MoE router (as transformers).
+            expected[name].copy_(tensor)
             loaded.add(name)
     missing = sorted(set(expected) - loaded)
     if missing:

@@ -3,10 +3,19 @@
 Two attention kinds share one config:
 
 - ``"mha"`` — Llama GQA (``model_type`` ``"llama"``): ``num_kv_heads`` K/V heads of ``head_dim``;
-- ``"mla"`` — DeepSeek-V2 multi-head latent attention (``model_type`` ``"deepseek_v2"``, dense MLPs
-  only): each token caches a ``kv_lora_rank`` latent plus ``qk_rope_head_dim`` RoPE'd key dims.
-  For MLA ``head_dim`` is the query/key head size ``qk_nope_head_dim + qk_rope_head_dim`` and
+- ``"mla"`` — DeepSeek-V2 multi-head latent attention (``model_type`` ``"deepseek_v2"``): each
+  token caches a ``kv_lora_rank`` latent plus ``qk_rope_head_dim`` RoPE'd key dims. For MLA
+  ``head_dim`` is the query/key head size ``qk_nope_head_dim + qk_rope_head_dim`` and
   ``num_kv_heads == num_heads`` (the latent is expanded to every head).
+
+DeepSeek-V2 configs may declare MoE layers (``n_routed_experts``): layer ``i`` is MoE when
+``i >= first_k_dense_replace`` and ``i % moe_layer_freq == 0`` (DeepSeek's and vLLM's rule;
+transformers, which ignores ``moe_layer_freq``, agrees for the value 1 every released
+checkpoint has), the others dense. Routing is DeepSeek-V2's: softmax scores, top-k
+(``greedy`` or ``group_limited_greedy``), weights times ``routed_scaling_factor``, plus
+``n_shared_experts`` always-on experts. ``norm_topk_prob`` true and a ``scoring_func`` other
+than softmax are refused: DeepSeek-V2's own code has no sigmoid scoring, and for a normalised
+top-k transformers (which ignores it), DeepSeek's code and vLLM each compute something else.
 
 Torch-free, so the namespace and CLI code can read checkpoints without loading torch.
 """
@@ -60,6 +69,16 @@ class ModelConfig:
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
     q_lora_rank: int | None = None
+    n_routed_experts: int = 0           # MoE (MLA only): 0 = every layer dense
+    num_experts_per_tok: int = 0        # top-k
+    moe_intermediate_size: int = 0      # of each routed expert; shared: times n_shared_experts
+    n_shared_experts: int = 0
+    first_k_dense_replace: int = 0
+    moe_layer_freq: int = 1
+    topk_method: str = "greedy"         # "greedy" | "group_limited_greedy"
+    n_group: int | None = None          # group_limited_greedy: expert groups, of which
+    topk_group: int | None = None       # the top topk_group (by their best expert) are eligible
+    routed_scaling_factor: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -77,6 +96,8 @@ class ModelConfig:
             self._check_mla()
         else:
             raise ModelError(f"attention must be 'mha' or 'mla', not {self.attention!r}")
+        if self.n_routed_experts:
+            self._check_moe()
         if self.rope_scaling is not None:
             # A private copy: the dataclass is frozen, the dict must not change under it either.
             object.__setattr__(self, "rope_scaling", _check_llama3(dict(self.rope_scaling)))
@@ -94,6 +115,38 @@ class ModelConfig:
         if self.num_kv_heads != self.num_heads:
             raise ModelError("MLA expands its latent to every head: num_kv_heads must equal num_heads")
 
+    def _check_moe(self) -> None:
+        if not self.is_mla:
+            raise ModelError("MoE layers are supported in DeepSeek-V2 (MLA) models only")
+        for name in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "moe_layer_freq"):
+            _check_positive(name, getattr(self, name))
+        for name in ("n_shared_experts", "first_k_dense_replace"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 0:
+                raise ModelError(f"{name} must be a non-negative integer, not {value!r}")
+        if self.num_experts_per_tok > self.n_routed_experts:
+            raise ModelError(f"num_experts_per_tok {self.num_experts_per_tok} exceeds n_routed_experts "
+                             f"{self.n_routed_experts}")
+        if not (math.isfinite(self.routed_scaling_factor) and self.routed_scaling_factor > 0):
+            raise ModelError(f"routed_scaling_factor must be a positive number, not {self.routed_scaling_factor!r}")
+        if self.topk_method == "group_limited_greedy":
+            _check_positive("n_group", self.n_group)
+            _check_positive("topk_group", self.topk_group)
+            assert self.n_group is not None and self.topk_group is not None
+            if self.n_routed_experts % self.n_group or self.topk_group > self.n_group:
+                raise ModelError(f"group_limited_greedy needs n_group ({self.n_group}) to divide n_routed_experts "
+                                 f"({self.n_routed_experts}) and topk_group ({self.topk_group}) <= n_group")
+            if self.num_experts_per_tok > self.topk_group * (self.n_routed_experts // self.n_group):
+                raise ModelError(f"num_experts_per_tok {self.num_experts_per_tok} exceeds the experts of "
+                                 f"{self.topk_group} group(s)")
+        elif self.topk_method != "greedy":
+            raise ModelError(f"topk_method must be 'greedy' or 'group_limited_greedy', not {self.topk_method!r}")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer ``layer`` (from 0) is an MoE layer rather than a dense SwiGLU MLP."""
+        return (self.n_routed_experts > 0 and layer >= self.first_k_dense_replace
+                and layer % self.moe_layer_freq == 0)
+
     @property
     def is_mla(self) -> bool:
         return self.attention == "mla"
@@ -110,7 +163,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, d: dict) -> ModelConfig:
-        """Read an HF ``config.json`` map (``llama`` or dense ``deepseek_v2``).
+        """Read an HF ``config.json`` map (``llama`` or ``deepseek_v2``, dense or MoE).
 
         Accepts both RoPE spellings: ``rope_theta`` + ``rope_scaling`` (transformers 4) and
         ``rope_parameters`` (transformers 5).
@@ -141,18 +194,18 @@ class ModelConfig:
             if head_dim is None:
                 head_dim = hidden_size // num_heads
             return cls(num_kv_heads=_int(d, "num_key_value_heads", num_heads), head_dim=head_dim, **common)
-        _check_dense(d, common["num_layers"])
         nope, rope = _int(d, "qk_nope_head_dim"), _int(d, "qk_rope_head_dim")
         return cls(num_kv_heads=num_heads, head_dim=nope + rope, attention="mla",
                    kv_lora_rank=_int(d, "kv_lora_rank"), qk_rope_head_dim=rope, qk_nope_head_dim=nope,
-                   v_head_dim=_int(d, "v_head_dim"), q_lora_rank=_int(d, "q_lora_rank", None), **common)
+                   v_head_dim=_int(d, "v_head_dim"), q_lora_rank=_int(d, "q_lora_rank", None),
+                   **_moe_from_hf(d), **common)
 
     def to_hf(self) -> dict:
         """The HF ``config.json`` map that transformers loads as LlamaForCausalLM / DeepseekV2ForCausalLM.
 
         RoPE is written in the transformers-4 spelling (``rope_theta`` + ``rope_scaling``), which
-        transformers 5 still reads. MLA configs declare no MoE: ``first_k_dense_replace`` equals the
-        layer count and ``n_routed_experts`` is 0, so every layer is a dense SwiGLU MLP.
+        transformers 5 still reads. A dense MLA config declares no MoE (``first_k_dense_replace``
+        equals the layer count, ``n_routed_experts`` is 0); an MoE one its experts and routing.
         """
         d: dict[str, Any] = {
             "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
@@ -169,9 +222,16 @@ class ModelConfig:
         d.update(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2",
                  kv_lora_rank=self.kv_lora_rank, q_lora_rank=self.q_lora_rank,
                  qk_rope_head_dim=self.qk_rope_head_dim, qk_nope_head_dim=self.qk_nope_head_dim,
-                 v_head_dim=self.v_head_dim, first_k_dense_replace=self.num_layers, n_routed_experts=0,
-                 n_shared_experts=0, num_experts_per_tok=None, moe_intermediate_size=self.intermediate_size,
-                 topk_method="greedy")
+                 v_head_dim=self.v_head_dim)
+        if not self.n_routed_experts:
+            d.update(first_k_dense_replace=self.num_layers, n_routed_experts=0, n_shared_experts=0,
+                     num_experts_per_tok=None, moe_intermediate_size=self.intermediate_size, topk_method="greedy")
+            return d
+        d.update(n_routed_experts=self.n_routed_experts, num_experts_per_tok=self.num_experts_per_tok,
+                 moe_intermediate_size=self.moe_intermediate_size, n_shared_experts=self.n_shared_experts,
+                 first_k_dense_replace=self.first_k_dense_replace, moe_layer_freq=self.moe_layer_freq,
+                 topk_method=self.topk_method, n_group=self.n_group, topk_group=self.topk_group,
+                 routed_scaling_factor=self.routed_scaling_factor, norm_topk_prob=False, scoring_func="softmax")
         return d
 
 
@@ -236,12 +296,27 @@ def _check_unsupported(d: dict) -> None:
             raise ModelError(f"config.json: {key} is not supported")
 
 
-def _check_dense(d: dict, num_layers: int) -> None:
-    routed = d.get("n_routed_experts")
-    first_dense = d.get("first_k_dense_replace", 0)
-    if routed and (type(first_dense) is not int or first_dense < num_layers):
-        raise ModelError("config.json: MoE layers are not supported (set first_k_dense_replace to the "
-                         "layer count or n_routed_experts to 0)")
+def _moe_from_hf(d: dict) -> dict[str, Any]:
+    """The MoE fields of a ``deepseek_v2`` config; none when ``n_routed_experts`` is absent, null or 0.
+
+    Absent keys take DeepSeek's own defaults (no shared experts, ``moe_layer_freq`` 1, greedy
+    routing, scale 1). Refuses the routing variants whose meaning differs between implementations.
+    """
+    routed = _int(d, "n_routed_experts", 0)
+    if not routed:
+        return {}
+    if _get(d, "scoring_func", "softmax") != "softmax":
+        raise ModelError(f"config.json: scoring_func {d.get('scoring_func')!r} is not supported for deepseek_v2 "
+                         "(DeepSeek-V2 scores experts with softmax)")
+    if _bool(d, "norm_topk_prob", False):
+        raise ModelError("config.json: norm_topk_prob true is not supported (transformers ignores it, DeepSeek's "
+                         "code and vLLM apply it differently; no DeepSeek-V2 checkpoint sets it)")
+    return dict(n_routed_experts=routed, num_experts_per_tok=_int(d, "num_experts_per_tok"),
+                moe_intermediate_size=_int(d, "moe_intermediate_size"), n_shared_experts=_int(d, "n_shared_experts", 0),
+                first_k_dense_replace=_int(d, "first_k_dense_replace", 0), moe_layer_freq=_int(d, "moe_layer_freq", 1),
+                topk_method=_get(d, "topk_method", "greedy"), n_group=_int(d, "n_group", None),
+                topk_group=_int(d, "topk_group", None),
+                routed_scaling_factor=_float(d, "routed_scaling_factor", 1.0))
 
 
 def _rope_from_hf(d: dict, max_pos: int) -> tuple[float, dict | None]:

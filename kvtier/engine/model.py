@@ -1,4 +1,5 @@
-"""Model: a Llama-family decoder (GQA or DeepSeek-V2 MLA attention) that runs on a paged KV cache.
+"""Model: a Llama-family decoder (GQA or DeepSeek-V2 MLA attention, dense or MoE feed-forward) that
+runs on a paged KV cache.
 
 Module and parameter names are HF's (``model.embed_tokens``, ``model.layers.N.self_attn.q_proj``,
 ``model.norm``, ``lm_head``), so ``Model.state_dict()`` has exactly the checkpoint's keys.
@@ -14,19 +15,22 @@ from kvtier.engine.attention import DEFAULT_CHUNK_TOKENS, Attention, AttnBatch, 
 from kvtier.engine.config import ModelConfig
 from kvtier.engine.layers import MLP, Embedding, Linear, RMSNorm, linear_rows
 from kvtier.engine.mla import MLAttention
+from kvtier.engine.moe import MoE
 from kvtier.engine.rope import RotaryEmbedding
 from kvtier_protocol.errors import InvalidRequest
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: ``h += attn(norm(h)); h += mlp(norm(h))``."""
+    """Pre-norm block: ``h += attn(norm(h)); h += mlp(norm(h))``; ``mlp`` is MoE in DeepSeek's MoE layers."""
 
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, *, device=None, dtype=None) -> None:
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, layer: int, *, device=None,
+                 dtype=None) -> None:
         super().__init__()
         kw = dict(device=device, dtype=dtype)
         attention = MLAttention if config.is_mla else Attention
         self.self_attn = attention(config, rotary, **kw)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size, **kw)
+        self.mlp: nn.Module = (MoE(config, **kw) if config.is_moe_layer(layer)
+                               else MLP(config.hidden_size, config.intermediate_size, **kw))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
 
@@ -42,7 +46,7 @@ class Decoder(nn.Module):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, **kw)
-        self.layers = nn.ModuleList(DecoderLayer(config, rotary, **kw) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, rotary, i, **kw) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
 
 

@@ -21,6 +21,9 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
 MLA = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                   num_kv_heads=4, head_dim=24, attention="mla", kv_lora_rank=32, qk_rope_head_dim=8,
                   qk_nope_head_dim=16, v_head_dim=12)
+MOE = replace(MLA, num_layers=3, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+              n_shared_experts=2, first_k_dense_replace=1, topk_method="group_limited_greedy", n_group=4,
+              topk_group=2, routed_scaling_factor=16.0)
 
 
 def file_bytes(root: Path) -> dict[str, bytes]:
@@ -72,8 +75,8 @@ def test_bf16_checkpoint_loads_into_float32(tmp_path):
         assert torch.equal(low.state_dict()[name], t.to(torch.bfloat16).float()), name
 
 
-@pytest.mark.parametrize("cfg", [CFG, MLA, replace(CFG, rope_theta=5e5, rope_scaling=LLAMA3)],
-                         ids=["mha", "mla", "llama3"])
+@pytest.mark.parametrize("cfg", [CFG, MLA, replace(CFG, rope_theta=5e5, rope_scaling=LLAMA3), MOE],
+                         ids=["mha", "mla", "llama3", "mla-moe"])
 def test_config_round_trips_through_hf_json(tmp_path, cfg):
     make_random_checkpoint(tmp_path, cfg)
     assert load_config(tmp_path) == cfg
@@ -108,9 +111,51 @@ def test_bad_config_values_raise_model_error(change, message):
         ModelConfig.from_hf(CFG.to_hf() | change)
 
 
-def test_moe_deepseek_config_is_refused():
-    with pytest.raises(ModelError, match="MoE"):
-        ModelConfig.from_hf(MLA.to_hf() | {"n_routed_experts": 8, "first_k_dense_replace": 1})
+def test_moe_layers_follow_first_k_dense_replace_and_moe_layer_freq():
+    assert [MOE.is_moe_layer(i) for i in range(3)] == [False, True, True]
+    every_other = ModelConfig.from_hf(MOE.to_hf() | {"num_hidden_layers": 6, "moe_layer_freq": 2})
+    assert [every_other.is_moe_layer(i) for i in range(6)] == [False, False, True, False, True, False]
+    assert not any(MLA.is_moe_layer(i) for i in range(MLA.num_layers))
+    dense = ModelConfig.from_hf(MOE.to_hf() | {"n_routed_experts": None})  # DeepSeek's spelling of "no MoE"
+    assert dense.n_routed_experts == 0 and not dense.is_moe_layer(2)
+
+
+def test_moe_checkpoint_has_deepseek_tensor_names(tmp_path):
+    make_random_checkpoint(tmp_path, MOE, seed=1)
+    names = set(load_file(tmp_path / "model.safetensors"))
+    assert "model.layers.0.mlp.gate_proj.weight" in names and "model.layers.0.mlp.gate.weight" not in names
+    for layer in (1, 2):
+        prefix = f"model.layers.{layer}.mlp."
+        assert {n.removeprefix(prefix) for n in names if n.startswith(prefix)} == {
+            "gate.weight", *(f"shared_experts.{p}_proj.weight" for p in ("gate", "up", "down")),
+            *(f"experts.{e}.{p}_proj.weight" for e in range(8) for p in ("gate", "up", "down"))}
+    model = load_model(tmp_path, dtype=torch.bfloat16)
+    router = model.model.layers[1].mlp.gate.weight
+    assert router.dtype == torch.float32  # the router scores in float32, as in transformers
+    assert torch.equal(router, load_file(tmp_path / "model.safetensors")["model.layers.1.mlp.gate.weight"])
+    assert model.model.layers[1].mlp.experts[7].down_proj.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"norm_topk_prob": True}, "norm_topk_prob"),
+    ({"scoring_func": "sigmoid"}, "scoring_func"),
+    ({"topk_method": "noaux_tc"}, "topk_method"),
+    ({"n_group": 3}, "n_group"),
+    ({"topk_group": 5}, "topk_group"),
+    ({"num_experts_per_tok": 9}, "num_experts_per_tok"),
+    ({"num_experts_per_tok": None}, "num_experts_per_tok"),
+    ({"moe_intermediate_size": 0}, "moe_intermediate_size"),
+    ({"routed_scaling_factor": 0}, "routed_scaling_factor"),
+    ({"first_k_dense_replace": -1}, "first_k_dense_replace"),
+])
+def test_bad_moe_config_values_raise_model_error(change, message):
+    with pytest.raises(ModelError, match=message):
+        ModelConfig.from_hf(MOE.to_hf() | change)
+
+
+def test_moe_needs_mla():
+    with pytest.raises(ModelError, match="MLA"):
+        replace(CFG, n_routed_experts=4, num_experts_per_tok=1, moe_intermediate_size=8)
 
 
 @pytest.fixture()

@@ -2,7 +2,9 @@
 
 transformers is a test dependency. Each variant writes a random checkpoint, loads it in both
 implementations (float32, CPU) and compares the logits of several prompts, which the engine runs
-as one batched, paged forward step and transformers runs one by one.
+as one batched, paged forward step and transformers runs one by one. The MoE variants load the
+checkpoint's per-expert tensors (``mlp.experts.E.gate_proj.weight``, as DeepSeek-V2 ships them),
+which transformers fuses on load.
 """
 
 from __future__ import annotations
@@ -30,6 +32,14 @@ VARIANTS = {
     "llama-tied": ModelConfig(**BASE, num_kv_heads=1, head_dim=32, tie_word_embeddings=True),
     "deepseek-v2-mla": ModelConfig(**MLA),
     "deepseek-v2-mla-q-lora-llama3": ModelConfig(**MLA, q_lora_rank=24, rope_scaling=LLAMA3),
+    # MoE after a dense first layer (as DeepSeek-V2-Lite): routed + shared experts, scaled weights.
+    "deepseek-v2-moe-greedy": ModelConfig(**MLA, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                          n_shared_experts=2, first_k_dense_replace=1, routed_scaling_factor=2.5),
+    # As DeepSeek-V2: top-k among the experts of the best groups, one shared expert, q LoRA.
+    "deepseek-v2-moe-group-limited": ModelConfig(**MLA, q_lora_rank=24, n_routed_experts=8, num_experts_per_tok=3,
+                                                 moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
+                                                 topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                                                 routed_scaling_factor=16.0),
 }
 PROMPT_LENS = (5, 23, 41)
 

@@ -24,6 +24,11 @@ MHA = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_lay
 MLA = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                   num_kv_heads=4, head_dim=24, attention="mla", kv_lora_rank=32, qk_rope_head_dim=8,
                   qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=1024)
+MOE = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                  num_kv_heads=4, head_dim=24, attention="mla", kv_lora_rank=32, qk_rope_head_dim=8,
+                  qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=1024, n_routed_experts=8,
+                  num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
+                  topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=2.0)
 GEN64 = SamplingParams(max_tokens=64, keep_logits=True)
 
 
@@ -51,7 +56,8 @@ def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
     return (lp.exp() * (lp - lq)).sum(-1)
 
 
-@pytest.mark.parametrize("cfg, block_tokens", [(MHA, 16), (MLA, 16), (MHA, 32)], ids=["mha", "mla", "mha-32"])
+@pytest.mark.parametrize("cfg, block_tokens", [(MHA, 16), (MLA, 16), (MHA, 32), (MOE, 16)],
+                         ids=["mha", "mla", "mha-32", "mla-moe"])
 def test_raw_hit_is_bit_exact(cfg: ModelConfig, block_tokens: int, kvtier_daemon, tmp_path: Path) -> None:
     model_dir = checkpoint(tmp_path, cfg)
     p = prompt(100, 1)  # 96 tokens in full blocks: all loadable, 4 tokens computed

@@ -10,18 +10,20 @@ ZMQ) and no torch: the tensor helpers import torch when first called.
 """
 
 from kvtier_protocol.address import Address, parse_address
+
 from kvtier.client.aio import AsyncClient
+from kvtier.client.core import NO_HITS, LookupResult
 from kvtier.client.errors import ConnectionLost, TimedOut
-from kvtier.client.flows import NO_HITS, LookupResult
 from kvtier.client.options import ClientOptions
 from kvtier.client.session import Session
 from kvtier.client.sync import Client
 
 connect = Client.connect
-"""``connect(address, **options) -> Client``: a connected blocking client."""
+"""``connect(address=None, **options) -> Client``: a connected blocking client (no address: the
+default one, ``kvtier_protocol.address.default_address()``)."""
 
 connect_async = AsyncClient.connect
-"""``await connect_async(address, **options) -> AsyncClient``: a connected asyncio client."""
+"""``await connect_async(address=None, **options) -> AsyncClient``: a connected asyncio client."""
 
 __all__ = [
     "NO_HITS", "Address", "AsyncClient", "Client", "ClientOptions", "ConnectionLost",

@@ -22,6 +22,7 @@ import itertools
 import os
 import socket
 from dataclasses import dataclass
+from typing import Any
 
 from kvtier_protocol.errors import FrameError, KVTierError, ProtocolError
 from kvtier_protocol.frames import (DEFAULT_LIMITS, Buffer, Frame, FrameDecoder, Response, encode_frame,
@@ -31,7 +32,7 @@ from kvtier_protocol.buffers import PayloadBuffers
 from kvtier_protocol.address import Address
 from kvtier.client.errors import ConnectionLost, TimedOut, Unreachable
 from kvtier.client.behind import LateErrors
-from kvtier.client.calls import LEASE_OPS, Call
+from kvtier.client.steps import IO, LEASE_OPS, Call, Receive, Send
 from kvtier.client.options import ClientOptions
 from kvtier.client.session import MAX_FDS, Session, hello_keys, open_session
 from kvtier_protocol.frame_stream import FrameStream, read_frame
@@ -211,6 +212,27 @@ class AsyncConnection:
                 if broken:
                     self._kept.clear()
                     raise
+
+    async def perform(self, io: IO) -> tuple[Any, KVTierError | None]:
+        """One I/O a flow's run asks for (kvtier.client.steps.FlowRun), done: ``(its result,
+        None)``, or ``(None, the error)`` for the run to take in."""
+        try:
+            if isinstance(io, Receive):
+                return await self.receive(io.handle), None
+            if isinstance(io, Send):
+                return await self.send(io.call), None
+            await self.settle(io.keep_last)
+        except KVTierError as exc:
+            return None, exc
+        return None, None
+
+    def finish(self, keep: list[Sent], forget: list[Sent]) -> None:
+        """After a flow: claim the answers of ``keep`` later (write-behind commits); drop those
+        of ``forget``, releasing the leases they grant."""
+        for sent in keep:
+            self.keep(sent)
+        for sent in forget:
+            self.forget(sent)
 
     async def call(self, call: Call) -> Response:
         """Send one request and await its typed response.

@@ -1,12 +1,12 @@
 """Write-behind saves (``ClientOptions.write_behind``): what becomes of commits nobody waits for.
 
 A write-behind save returns once its payloads are in shared memory; its commits travel on, and
-their answers are claimed later by the connection (kvtier.client.pipeline). Two things follow:
+their answers are claimed later by the connection (kvtier.client.save). Two things follow:
 
 * a commit the daemon refuses, or whose answer a broken connection swallows, surfaces after the
   save returned: :class:`LateErrors` logs it, counts it and keeps it for ``flush()`` to raise;
 * the blocking client holds the last commit back so that the next request leaves in the same
-  write (kvtier.client.calls.JUMP_OPS); :class:`DeferredFlush` writes it anyway if no request
+  write (kvtier.client.steps.JUMP_OPS); :class:`DeferredFlush` writes it anyway if no request
   comes within :data:`FLUSH_AFTER_S`, so a client that goes quiet still commits (a reservation
   left uncommitted would expire, and its blocks would be lost).
 """

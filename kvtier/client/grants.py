@@ -9,7 +9,8 @@ it while the client copies::
 
     save k:    grant(n) ── copy k into granted slots ── place k ── (refill answered meanwhile)
 
-The pool holds the slots of one connection (the daemon frees them when it ends), by payload
+This module is the pool's bookkeeping only (no requests); the save that uses it is
+``kvtier.client.save.granted_save_flow``. The pool holds the slots of one connection (the daemon frees them when it ends), by payload
 size and priority, each with the time its grant lapses. It stays small: at most ``limit_bytes``
 (``ClientOptions.grant_bytes``, and an eighth of the daemon's host segments, so that a pool never
 crowds out the cache it feeds); a save larger than that, or of mixed block sizes, reserves as

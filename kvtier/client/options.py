@@ -53,12 +53,12 @@ class ClientOptions:
         pipeline_bytes: 0 (default): a save or load over shared memory sends one request batch at
             a time and waits for each answer (releases excepted). > 0: payload bytes per
             sub-batch of a pipelined save or load, whose requests travel while the client copies
-            another sub-batch (kvtier.client.pipeline; :data:`PIPELINE_BYTES` is a good value
+            another sub-batch (kvtier.client.save, kvtier.client.load; :data:`PIPELINE_BYTES` is a good value
             where the daemon has an idle core).
         write_behind: False (default): a save over shared memory returns once the daemon
             answered its commit, so ``"stored"`` is final. True: it returns once the payloads are
             in shared memory and the commit is on its way; the commit's answer is claimed later
-            (kvtier.client.pipeline), so the daemon makes the blocks visible while the caller
+            (kvtier.client.save), so the daemon makes the blocks visible while the caller
             goes on. Reads on the same client (lookup, load, delete, stats...) still see every
             earlier save: they first wait for the commits still unanswered. A commit the daemon
             refuses later is logged, counted and raised by ``flush()``; its blocks are then

@@ -14,12 +14,15 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
-from kvtier_protocol.errors import Busy, Unavailable
+from kvtier_protocol.errors import Busy, KVTierError, Unavailable
 
 from kvtier.client.errors import ConnectionLost, TimedOut, Unreachable
 from kvtier.client.options import ClientOptions
+from kvtier.client.steps import FlowFactory, FlowRun
 
 _BACKOFF_BASE_S = 0.02
 _BACKOFF_MAX_S = 0.25
@@ -78,3 +81,50 @@ class Holddown:
     def reset(self) -> None:
         """The daemon answered: end the hold-down."""
         self.until = 0.0
+
+
+@dataclass(slots=True)
+class Attempt:
+    """One try of a call (see :func:`attempts_of`): the driver starts the flow on a connection
+    (:meth:`start`), does its I/O, and on a :class:`KVTierError` asks :meth:`pause_after` whether
+    to try again."""
+
+    number: int
+    tries: int
+    deadline: float
+    holddown: Holddown
+    run: FlowRun[Any] | None = None
+
+    def start(self, make_flow: FlowFactory, conn: Any) -> FlowRun[Any]:
+        """The run of the call's flow on ``conn`` (a connection after hello: ``session``, ``kept``)."""
+        session = conn.session
+        self.run = FlowRun(make_flow(session), lambda: conn.kept, session.limits)
+        return self.run
+
+    def pause_after(self, exc: KVTierError) -> float:
+        """Seconds to wait before the next attempt, after this one failed with ``exc``.
+
+        Raises:
+            KVTierError: ``exc``, when no attempt follows: it is not :func:`retriable`, this was
+                the last try, or the flow sent a commit (a save is never repeated then). If
+                ``exc`` shows the daemon down (:func:`trips_holddown`), the hold-down starts.
+        """
+        committed = self.run is not None and self.run.committed
+        if retriable(exc) and self.number + 1 < self.tries and not committed:
+            return backoff_s(self.number, self.deadline)
+        if trips_holddown(exc):
+            self.holddown.trip()
+        raise exc
+
+
+def attempts_of(options: ClientOptions, idempotent: bool, holddown: Holddown, address: object) -> Iterator[Attempt]:
+    """The attempts of one call, sharing its deadline (``timeout_s`` from now).
+
+    Raises:
+        Unavailable: the hold-down lasts (before the first attempt; it is not extended).
+    """
+    holddown.check(address)
+    deadline = time.monotonic() + options.timeout_s
+    tries = attempts(options, idempotent)
+    for number in range(tries):
+        yield Attempt(number, tries, deadline, holddown)

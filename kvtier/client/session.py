@@ -19,6 +19,9 @@ from kvtier.client.grants import GrantPool, pool_limit
 from kvtier.client.options import ClientOptions
 from kvtier.client.shm import SegmentMap
 
+MIN_INFLIGHT = 4
+"""Below this ``max_inflight`` the flows wait for every answer (no room for a pipeline)."""
+
 MAX_FDS = 253
 """Room for descriptors when reading the hello response (Linux's SCM_MAX_FD): a daemon may hand
 out one segment per tenant pool, and descriptors that find no room are lost (MSG_CTRUNC)."""
@@ -48,6 +51,12 @@ class Session:
     pipeline_bytes: int = 0
     write_behind: bool = False
     grants: GrantPool | None = None
+
+    @property
+    def piped(self) -> bool:
+        """Whether saves and loads run as pipelines of sub-batches (kvtier.client.save,
+        kvtier.client.load): ``pipeline_bytes`` set and room for several requests in flight."""
+        return self.pipeline_bytes > 0 and self.limits.max_inflight >= MIN_INFLIGHT
 
     def close(self) -> None:
         """Unmap the segments (idempotent)."""

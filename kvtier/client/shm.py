@@ -22,7 +22,7 @@ from typing import TypeVar
 from kvtier_protocol.errors import FrameError, StorageError
 from kvtier_protocol.frames import Segment, SlotRef
 
-from kvtier.client import memcopy
+import kvtier.client.memcopy as memcopy
 from kvtier.client.errors import ConnectionLost
 
 Buffer = bytes | bytearray | memoryview
@@ -188,7 +188,7 @@ class SegmentMap:
     def read_into(self, slot: SlotRef, dest: memoryview, copy: Callable[[memoryview, memoryview], T]) -> T:
         """``copy(slot's bytes, dest)`` with the slot's view alive only for the call; its result.
 
-        ``copy`` gets two byte views of equal length (``kvtier.client.into.copy_hashed`` copies
+        ``copy`` gets two byte views of equal length (``kvtier.client.load.copy_hashed`` copies
         and hashes in one pass).
 
         Raises:

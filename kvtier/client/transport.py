@@ -21,7 +21,7 @@ import os
 import socket
 import time
 from collections.abc import Iterator, Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from kvtier_protocol.errors import FrameError, KVTierError
 from kvtier_protocol.frames import (DEFAULT_LIMITS, PREAMBLE_LEN, Buffer, Frame, Limits,
@@ -32,7 +32,7 @@ from kvtier_protocol.buffers import POOLED_PAYLOAD_BYTES, PayloadBuffers
 from kvtier_protocol.address import Address
 from kvtier.client.errors import ConnectionLost, TimedOut, Unreachable
 from kvtier.client.behind import LateErrors
-from kvtier.client.calls import JUMP_OPS, LEASE_OPS, Call
+from kvtier.client.steps import IO, JUMP_OPS, LEASE_OPS, Call, Receive, Send
 from kvtier.client.options import ClientOptions
 from kvtier.client.retry import remaining_s
 from kvtier.client.session import MAX_FDS, Session, hello_keys, open_session
@@ -157,6 +157,33 @@ class BlockingConnection:
         self._pending += data
         return fds
 
+    def perform(self, io: IO, deadline: float) -> tuple[Any, KVTierError | None]:
+        """Do one I/O of a flow's run (kvtier.client.steps.FlowRun) within ``deadline``: returns
+        ``(what it gave, None)``, or ``(None, the error it met)`` for the run to take in."""
+        try:
+            if isinstance(io, Send):
+                return self.send(io.call, deadline), None
+            if isinstance(io, Receive):
+                return self.receive(io.handle, deadline), None
+            self.settle(deadline, io.keep_last)
+        except KVTierError as exc:
+            return None, exc
+        return None, None
+
+    def finish(self, keep: list[int], forget: list[int], deadline: float) -> None:
+        """After a flow: keep the write-behind requests ``keep`` (held back a while: the next
+        request takes them along), forget the others of ``forget``, and write what is deferred
+        (releases, commits) unless something was kept."""
+        for ident in keep:
+            self.keep(ident)
+        for ident in forget:
+            self.forget(ident, deadline)
+        if not self.closed and not keep:
+            try:
+                self.flush(deadline)
+            except KVTierError:
+                pass  # closed by flush; a lost release expires, a lost commit was never answered
+
     def call(self, call: Call, deadline: float) -> object:
         """Send one request and return its typed response.
 
@@ -181,7 +208,7 @@ class BlockingConnection:
         # a request above the limits: the caller's error, raised before anything is queued
         frame = encode_frame({"op": call.op, "id": ident, **call.keys}, call.payload, limits=session.limits)
         if call.op in JUMP_OPS:
-            self._outbox[:0] = frame  # ahead of held-back commits and releases (calls.JUMP_OPS)
+            self._outbox[:0] = frame  # ahead of held-back commits and releases (steps.JUMP_OPS)
         else:
             self._outbox += frame
         self._inflight[ident] = call.op

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier_protocol.address import parse_address
-from kvtier.client.flows import Call
+from kvtier.client.steps import Call
 from kvtier.client.options import ClientOptions
 from kvtier.client.transport import BlockingConnection
 from kvtier_protocol.frames import EXISTS, encode_frame, parse_response, raise_for_error

@@ -32,13 +32,14 @@ with Client(sys.argv[1]) as kv:
 
 RESERVE_THEN_HANG = """
 import sys, time
-from kvtier.client import ClientOptions, flows, parse_address
+from kvtier.client import ClientOptions, parse_address
+from kvtier.client.save import save_flow
 from kvtier.client.records import prepare_records
 from kvtier.client.transport import BlockingConnection
 from tests.kvtier.client.clientkit import NS_ID, make_blocks
 conn = BlockingConnection.open(parse_address(sys.argv[1]), ClientOptions(grant_bytes=0), time.monotonic() + 10)
 records = prepare_records(NS_ID, make_blocks(2, 1 << 20, tag=b"killed"))
-flow = flows.save_flow(conn.session, NS_ID, records, None, None, 0)
+flow = save_flow(conn.session, NS_ID, records, None, None, 0)
 reserve = next(flow)
 ident = conn.send(reserve, time.monotonic() + 10)
 claim = flow.send(1)  # the reserve's ticket: the flow claims its answer next
@@ -50,14 +51,15 @@ time.sleep(60)
 
 GRANT_THEN_HANG = """
 import sys, time
-from kvtier.client import Client, flows
+from kvtier.client import Client
+from kvtier.client.save import save_flow
 from kvtier.client.records import prepare_records
 from tests.kvtier.client.clientkit import NS_ID, make_blocks
 kv = Client(sys.argv[1])
 assert kv.save(NS_ID, make_blocks(2, 1 << 20, tag=b"granted-first")) == ["stored"] * 2  # fills the pool
 conn = kv._conn
 records = prepare_records(NS_ID, make_blocks(2, 1 << 20, tag=b"killed-granted"))
-flow = flows.save_flow(conn.session, NS_ID, records, None, None, 0)
+flow = save_flow(conn.session, NS_ID, records, None, None, 0)
 grant = next(flow)  # the refill for the next save: the pool had these two slots
 assert grant.op == "grant", grant
 ident = conn.send(grant, time.monotonic() + 10)

@@ -1,4 +1,4 @@
-"""load_into (kvtier/client/into.py): payloads copied into the caller's buffers and verified as
+"""load_into (kvtier/client/load.py): payloads copied into the caller's buffers and verified as
 they are copied, over both paths, against the toy peer (peer.py)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 import xxhash
 
 from kvtier.client import AsyncClient, Client
-from kvtier.client.into import check_buffers, copy_hashed
+from kvtier.client.load import check_buffers, copy_hashed
 from kvtier_protocol.header import COPY_CHUNK as CHUNK
 from kvtier_protocol.errors import InvalidRequest
 from kvtier_protocol.header import split_record

@@ -1,4 +1,4 @@
-"""Pipelined save and load over shared memory (kvtier/client/pipeline.py), with both drivers:
+"""Pipelined save and load over shared memory (kvtier/client/save.py, load.py), with both drivers:
 many sub-batches in flight, refusals and errors in the middle of a pipeline, and a daemon that
 dies in the middle of one (the real daemon, killed at a chosen step of the flow)."""
 
@@ -11,8 +11,11 @@ from typing import Any
 
 import pytest
 
-from kvtier.client import AsyncClient, Client, ConnectionLost, flows
-from kvtier.client.calls import Call
+from kvtier.client import AsyncClient, Client, ConnectionLost
+from kvtier.client.core import Job
+from kvtier.client.load import load_flow
+from kvtier.client.save import save_flow
+from kvtier.client.steps import Call
 from kvtier.client.records import prepare_records
 from kvtier_protocol.errors import ChecksumMismatch, Unavailable
 from kvtier_protocol.frames import Limits
@@ -187,30 +190,30 @@ def test_a_daemon_killed_mid_save_is_a_typed_error_and_mid_load_a_miss(kvtier_da
         assert kv.save(NS_ID, [(r.key, bytes(r.record)) for r in records[:8]]) == ["stored"] * 8
 
     def save(s: Any) -> Any:  # killed before the second commit is sent: the first and reserve 3 in flight
-        return _kill_at(flows.save_flow(s, NS_ID, records[8:], None, None, 0), "commit", 2, kill)
+        return _kill_at(save_flow(s, NS_ID, records[8:], None, None, 0), "commit", 2, kill)
 
     def load(s: Any) -> Any:  # killed before the second acquire is sent
-        return _kill_at(flows.load_flow(s, NS_ID, keys), "acquire", 2, kill)
+        return _kill_at(load_flow(s, NS_ID, keys), "acquire", 2, kill)
 
     started = time.monotonic()
     if driver == "sync":
         with Client(kvtier_daemon.address, timeout_s=3.0, pipeline_bytes=PIPE) as kv:
             assert len(kv.load(NS_ID, keys[:8])) == 8
             with pytest.raises(Unavailable):
-                kv._run(save, idempotent=False)
+                kv._run(Job(lambda: save, idempotent=False))
             kvtier_daemon.restart()
             assert len(kv.load(NS_ID, keys, degrade=False)) == 0  # a fresh daemon: memory is gone
             assert kv.save(NS_ID, [(r.key, bytes(r.record)) for r in records[:8]]) == ["stored"] * 8
-            assert kv._run(load, idempotent=True, degrade=True, fallback=[]) == []
+            assert kv._run(Job(lambda: load, idempotent=True, degrade=True, fallback=[])) == []
     else:
         async def run() -> None:
             async with AsyncClient(kvtier_daemon.address, timeout_s=3.0, pipeline_bytes=PIPE) as kv:
                 assert len(await kv.load(NS_ID, keys[:8])) == 8
                 with pytest.raises(Unavailable):
-                    await kv._run(save, idempotent=False)
+                    await kv._run(Job(lambda: save, idempotent=False))
                 kvtier_daemon.restart()
                 assert len(await kv.load(NS_ID, keys, degrade=False)) == 0
                 assert await kv.save(NS_ID, [(r.key, bytes(r.record)) for r in records[:8]]) == ["stored"] * 8
-                assert await kv._run(load, idempotent=True, degrade=True, fallback=[]) == []
+                assert await kv._run(Job(lambda: load, idempotent=True, degrade=True, fallback=[])) == []
         asyncio.run(run())
     assert time.monotonic() - started < 30, "no call waited past its bounded timeout"

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 
 from kvtier.client import Client, ClientOptions, ConnectionLost, TimedOut, parse_address
-from kvtier.client.flows import Call
+from kvtier.client.steps import Call
 from kvtier.client.transport import BlockingConnection
 from kvtier_protocol.errors import FrameError, InvalidRequest, LeaseError, LimitExceeded
 from kvtier_protocol.frames import Limits

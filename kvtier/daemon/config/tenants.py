@@ -4,7 +4,7 @@ A tenant is configured, never self-declared: a client becomes tenant ``alice`` o
 alice's token. Each tenant's blocks live in a :class:`~kvtier.daemon.store.store.TieredStore` of their
 own (shared-memory segments named ``<host_name_prefix>-t-<name>-...``, a disk tier under
 ``<data_dir>/tenants/<name>/disk``, own index, policy, leases and capacity), so no request of
-another tenant can reach, probe or evict them (DESIGN.md §4). Torch-free.
+another tenant can reach, probe or evict them (docs/design.md §7). Torch-free.
 
 Example::
 

@@ -241,7 +241,7 @@ class Connection:
         if self.token_required and req.token is None:
             raise Unauthorized("a valid token is required")
         # The token picks the store; a client receives only that store's segments, so a
-        # tenant can map neither another tenant's blocks nor the default pool (DESIGN.md §4).
+        # tenant can map neither another tenant's blocks nor the default pool (docs/design.md §7).
         scope = hello_scope(self.ctx, principal, req.tenant)
         host = scope.store.host
         infos = host.segments if host is not None and not self.session.tcp else []

@@ -4,7 +4,7 @@ Isolation is structural, not a filter: each tenant's blocks live in a
 :class:`~kvtier.daemon.store.store.TieredStore` of their own (own shared-memory segments, disk
 directory, index, policy, leases, capacity). A request is routed to exactly one store, chosen
 from the token it came with, so another tenant's request never reaches it: it cannot read, probe,
-evict or map those blocks (DESIGN.md §4).
+evict or map those blocks (docs/design.md §7).
 
 ::
 

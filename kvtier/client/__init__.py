@@ -5,6 +5,11 @@ daemon's shared memory, whose segments arrive as descriptors at hello) or over T
 inline, token required), and offer the same calls: ``lookup``, ``save``, ``load``, ``load_into``,
 ``save_tensors``, ``load_tensors``, ``delete``, ``clear``, ``stats``, ``ping``, ``close``.
 
+Given no address, a client connects to ``kvtier_protocol.address.default_address()``:
+``$KVTIER_ADDRESS``, else ``$KVTIER_SOCKET``, else the socket ``kvtier serve`` listens on by default,
+so ``kvtier.client.connect()`` finds a daemon started on its defaults. The operations are written
+once, without I/O, in :mod:`kvtier.client.core` (see there for the modules and a save's path).
+
 Importing this package loads none of the daemon's dependencies (aiohttp, RocksDB, Prometheus,
 ZMQ) and no torch: the tensor helpers import torch when first called.
 """

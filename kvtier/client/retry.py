@@ -9,6 +9,9 @@
 * After a call found the daemon unreachable, silent or shutting down, calls within ``holddown_s``
   fail at once (lookup and load degrade to misses), so an engine does not wait ``timeout_s`` per
   request on a dead daemon. A connection lost mid-call alone does not start it.
+
+Both drivers loop over :func:`attempts_of` (which checks the hold-down first) and ask each failed
+:class:`Attempt` whether to go on (:meth:`Attempt.pause_after`: the pause, or the error raised).
 """
 
 from __future__ import annotations

@@ -42,9 +42,13 @@ def free_port() -> int:
 class Daemon:
     """One ``kvtier serve`` process on ``directory`` (socket, token, disk tier, log)."""
 
-    def __init__(self, directory: str, *, port: int = 0) -> None:
+    def __init__(self, directory: str, *, port: int = 0, socket_name: str | None = "kvtier.sock",
+                 env: dict[str, str] | None = None) -> None:
+        """``socket_name``: the unix socket's name in ``directory``; None: no ``--socket``, the
+        daemon listens on its default socket (``env`` decides where: ``XDG_RUNTIME_DIR``).
+        ``env``: added to the daemon's environment."""
         self.dir = Path(directory)
-        self.socket = str(self.dir / "kvtier.sock")
+        self.socket = str(self.dir / socket_name) if socket_name is not None else None
         self.log_path = self.dir / "daemon.log"
         self.listen_port = port
         self.port = 0
@@ -53,10 +57,11 @@ class Daemon:
         # no pre-faulting: it costs CPU the tests need and changes nothing they check.
         self.shm_prefix = f"kvtc{secrets.token_hex(4)}"
         self.env = {**ENV, "KVTIER_STORE__HOST_NAME_PREFIX": self.shm_prefix,
-                    "KVTIER_STORE__HOST_PREFAULT": "0"}
+                    "KVTIER_STORE__HOST_PREFAULT": "0", **(env or {})}
 
     def start(self, timeout_s: float = 30.0) -> Daemon:
-        args = [*serve_command(), "--data-dir", str(self.dir), "--socket", self.socket,
+        args = [*serve_command(), "--data-dir", str(self.dir),
+                *(["--socket", self.socket] if self.socket is not None else []),
                 "--listen", f"127.0.0.1:{self.listen_port}", "--rest", "off", "--host-bytes", "64MiB",
                 "--disk-bytes", "256MiB", "--token-file", str(self.dir / "token")]
         with open(self.log_path, "ab") as log:

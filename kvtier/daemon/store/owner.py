@@ -22,12 +22,15 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import stat
+import time
 
 from kvtier_protocol.errors import StorageError
 
 DIR_MODE = 0o700
 FILE_MODE = 0o600
 LOCK_NAME = "owner.lock"
+DYING_WAIT_S = 5.0  # how long a lock held by an exited process (its last threads closing files) is waited for
 
 
 class DirectoryBusy(StorageError):
@@ -59,11 +62,15 @@ def private_dir(path: str | os.PathLike[str]) -> str:
 
 
 def tighten(path: str, mode: int = DIR_MODE) -> None:
-    """chmod ``path`` to ``mode`` if this user owns it and it allows more (a directory shared on
-    purpose by another owner, root's say, is left alone)."""
+    """chmod ``path`` to ``mode`` if this user owns it and it allows other bits. Left alone: what
+    another user owns, a sticky directory (shared by design: /tmp), and ``/`` or a directory right
+    under it (a daemon run as root owns /var and /tmp: a data dir set to one must not close it)."""
     st = os.stat(path)
-    if st.st_uid == os.geteuid() and st.st_mode & 0o777 != mode:
-        os.chmod(path, mode)
+    if st.st_uid != os.geteuid() or st.st_mode & 0o777 == mode or st.st_mode & stat.S_ISVTX:
+        return
+    if os.path.dirname(os.path.abspath(path)) in ("/", os.path.abspath(path)):
+        return
+    os.chmod(path, mode)
 
 
 def private_umask() -> None:
@@ -117,11 +124,9 @@ class OwnerLock:
             raise StorageError(f"cannot open the owner lock {path}: {e}") from e
         try:
             tighten(path, FILE_MODE)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+            if not _lock(fd, _recorded_pid(fd)):
                 raise DirectoryBusy(f"{directory} is in use by another process, {_describe(_recorded_pid(fd))}: "
-                                    "stop it first, or give this one another directory") from None
+                                    "stop it first, or give this one another directory")
             previous = _recorded_pid(fd)
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
@@ -155,6 +160,32 @@ class OwnerLock:
         if fd is not None:
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+
+def _lock(fd: int, holder: int | None) -> bool:
+    """Take the flock; False if a live process holds it. A holder that is dying (a zombie whose
+    other threads still exit, and close its files last) is waited for, a few seconds at most."""
+    deadline = time.monotonic() + DYING_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if holder is None or not _dying(holder) or time.monotonic() > deadline:
+                return False
+        time.sleep(0.01)  # the kernel offers no wait on another process's exit but this lock's own
+
+
+def _dying(pid: int) -> bool:
+    """Whether ``pid`` has exited (state Z or X) or is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return data[data.rfind(b")") + 2:data.rfind(b")") + 3] in (b"Z", b"X")
 
 
 def _recorded_pid(fd: int) -> int | None:

@@ -425,7 +425,7 @@ def test_a_large_copy_lets_other_threads_run() -> None:
 def test_without_the_c_routine_the_plain_copy_stands_in() -> None:
     # As on a machine where setup.py found no compiler: the import of kvtier.client._memcopy fails.
     check = ("import sys; sys.modules['kvtier.client._memcopy'] = None\n"
-             "from kvtier import memcopy\n"
+             "from kvtier.client import memcopy\n"
              "assert not memcopy.NATIVE and not memcopy.NONTEMPORAL and memcopy.copy is memcopy.copy_plain\n"
              "assert memcopy.copy_many is memcopy.copy_many_plain\n"
              "src = bytes(range(256)) * 4096; dst = bytearray(len(src)); memcopy.copy(dst, src)\n"

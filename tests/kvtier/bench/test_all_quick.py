@@ -8,6 +8,7 @@ exists in this checkout; until then their test is skipped with that reason.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 import tempfile
@@ -20,7 +21,6 @@ import pytest
 import kvtier.bench
 from kvtier.cli import main
 
-BENCH_DIR = Path(kvtier.bench.__file__).parent
 
 TINY: dict[str, str] = {
     "codecs": "--working-set-mib 1 --tokens 32 --codecs raw,int8",
@@ -41,7 +41,11 @@ ROW_FIELDS = {"case": str, "metric": str, "unit": str, "kvtier": float, "baselin
 
 
 def _present(name: str) -> bool:
-    return name in kvtier.bench.SUITES and (BENCH_DIR / f"{name}.py").exists()
+    """Every suite this test sizes is registered and importable: a missing one fails, never skips."""
+    assert name in kvtier.bench.SUITES, f"suite {name!r} is not registered in kvtier.bench.SUITES"
+    module = kvtier.bench.SUITES[name][0]
+    assert importlib.util.find_spec(module) is not None, f"suite {name!r}: module {module} not found"
+    return True
 
 
 @dataclass(slots=True)
@@ -93,8 +97,7 @@ class _Capture:
 
 @pytest.mark.parametrize("name", list(TINY))
 def test_suite_runs_quick_and_reports_the_fixed_form(name: str, quick_all: QuickRun) -> None:
-    if not _present(name):
-        pytest.skip(f"kvtier/bench/{name}.py is not in this checkout yet")
+    assert _present(name)
     out = quick_all.out
     assert f"FAILED {name}:" not in out, quick_all.err[-6000:]
     doc = next((d for d in quick_all.docs if d["suite"] == name), None)

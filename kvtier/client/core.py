@@ -14,6 +14,9 @@ none of which touches a socket or an event loop::
     retry.py     when a call retries, when it stops (Attempt), the hold-down
     records.py   records and keys: checks, header/payload split, verification
     session.py   what a connection learns at hello (limits, segments, the grant pool)
+    behind.py    write-behind: late commit failures, the deferred flush (blocking client)
+    tensors.py   block tensors <-> records (torch imported on first use)
+    options.py, errors.py; shm.py + memcopy.py: the mapped segments and the copies in and out
 
 and the drivers, which only do I/O::
 
@@ -25,15 +28,15 @@ How a call runs: the public method (here) builds a :class:`Job` — the argument
 driver takes a connection and, per attempt (``retry.attempts_of``), starts the operation's flow
 (a generator: kvtier.client.steps) in a ``FlowRun``, whose I/O it does until the flow returns.
 
-The save path, as a reader follows it::
+The save path, as a reader follows it (what it decides lives in core, save and grants)::
 
     core.ClientCore.save                  builds the Job
       → save.prepare_save                 checks keys, records, tokens, priority; splits records
-      → sync.Client._run / aio.AsyncClient._run → retry.attempts_of → the driver's _drive
-          (steps.FlowRun steps the flow; the transport sends and receives)
+      → sync.Client._run (aio.AsyncClient._run) → retry.attempts_of → the driver's _drive:
+          steps.FlowRun steps the flow, the transport's perform() sends and receives
       → save.save_flow                    TCP: save.put_flow; unix socket:
-      → save.granted_save_flow            the pool (grants.GrantPool) holds slots: copy, place;
-      → save.reserve_commit_flow          else reserve → copy → commit (save.save_batches)
+      → save.granted_save_flow            the pool (grants.GrantPool) holds the slots: copy, place;
+      → save.reserve_commit_flow          else reserve → copy → commit, in save.save_batches
 """
 
 from __future__ import annotations

@@ -221,7 +221,25 @@ def listening_unix_sockets(pid: int) -> list[str]:
                 cols = line.split()
                 # Num RefCount Protocol Flags Type St Inode Path; flag 0x10000: listening
                 if len(cols) >= 8 and cols[6] in inodes and int(cols[3], 16) & 0x10000 and cols[7][0] != "@":
-                    paths.append(cols[7])
-        return sorted(set(paths))
+                    paths.append(_now_named(cols[7]))
+        return sorted({p for p in paths if p is not None})
     except (OSError, ValueError):
         return []
+
+
+def _now_named(bound: str) -> str | None:
+    """The path a socket bound at ``bound`` has now: the daemon binds under a temporary name and
+    links it to its real one (then unlinks the first), and /proc shows the name it was bound at.
+    Then the only socket in that directory is it (None when there are several: unknown)."""
+    try:
+        if stat.S_ISSOCK(os.stat(bound).st_mode):
+            return bound
+    except OSError:
+        pass
+    directory = os.path.dirname(bound)
+    try:
+        found = [os.path.join(directory, n) for n in os.listdir(directory)
+                 if stat.S_ISSOCK(os.lstat(os.path.join(directory, n)).st_mode)]
+    except OSError:
+        return None
+    return found[0] if len(found) == 1 else None

@@ -8,6 +8,12 @@ check) send the daemon's token: ``--token-file``, else the configuration's token
 works on a tenant's store instead of the default one: with the admin token, or with that
 tenant's own token (``--token-file``); every command then sends the token.
 
+``kvtier check --data-dir D`` works offline instead: no daemon, no token; it opens the disk
+tiers under ``D`` directly (``D/disk``, each tenant's, or ``D`` itself if it is a tier's directory)
+as a daemon's start would (damaged metadata is rebuilt from the block files, and reported), lists
+the block files the metadata does not list, and verifies every record
+(:mod:`kvtier.daemon.store.disk_check`). It is refused while a daemon holds the tier.
+
 Exit status: 0 done; 1 the daemon is unreachable or refused the request (one line on stderr,
 no traceback); 2 ``check`` found problems it did not repair; argparse's 2 for bad usage.
 """
@@ -70,6 +76,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = add("check", _check, "audit the index against the stored blocks (needs the token); exit 2 when "
                              "problems remain", True)
     p.add_argument("--fix", action="store_true", help="repair what the audit finds")
+    p.add_argument("--data-dir", metavar="DIR", default=None,
+                   help="check the disk tiers under DIR directly, with no daemon running (offline)")
+    p.set_defaults(func=lambda args: _check_offline(args) if args.data_dir is not None else _run(_check, args))
 
 
 def _run(func: Callable[[RestClient, argparse.Namespace], int], args: argparse.Namespace) -> int:
@@ -225,7 +234,45 @@ def _check(rest: RestClient, args: argparse.Namespace) -> int:
                 print(f"  {name}: {key['ns']}/{key['hash']}" + (f" ({key['tier']})" if "tier" in key else ""))
         for line in report["accounting"]:
             print(f"  accounting: {line}")
+        for line in report.get("notes", []):
+            print(f"  note: {line}")
     return 0 if report["ok"] or report["fixed"] else 2
+
+
+def _check_offline(args: argparse.Namespace) -> int:
+    """``check --data-dir D``: the disk tiers under D, read directly (see the module docstring)."""
+    import dataclasses
+    import os
+
+    from kvtier.daemon.store.disk_check import check_tier, tier_paths
+    from kvtier_protocol.errors import KVTierError
+
+    data_dir = os.path.abspath(os.path.expanduser(args.data_dir))
+    paths = tier_paths(data_dir)
+    if not paths:
+        print(f"kvtier: no disk tier under {data_dir}", file=sys.stderr)
+        return 1
+    try:
+        reports = [check_tier(p, fix=args.fix) for p in paths]
+    except KVTierError as exc:
+        print(f"kvtier: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        _print_json({"tiers": [{**dataclasses.asdict(r), "ok": r.ok} for r in reports]})
+    for r in reports if not args.json else ():
+        verdict = "no problems found" if r.ok else ("problems repaired" if r.fixed or not (r.missing or r.corrupt
+                                                                                           or r.unlisted)
+                                                    else "problems found; run `kvtier check --fix --data-dir`")
+        print(f"disk tier {r.path}: {verdict} ({r.records} records, missing {len(r.missing)}, corrupt "
+              f"{len(r.corrupt)}, unlisted {len(r.unlisted)}, adopted {len(r.adopted)}, free files {r.free_files} "
+              f"({_size(r.free_bytes)}))")
+        if r.repair is not None:
+            print(f"  repaired at open: {r.repair}")
+        for name in ("missing", "corrupt", "unlisted", "adopted"):
+            for key in getattr(r, name)[:100]:
+                print(f"  {name}: {key}")
+    done = all(r.ok or r.fixed or not (r.missing or r.corrupt or r.unlisted) for r in reports)
+    return 0 if done else 2
 
 
 # --- formatting --------------------------------------------------------------------------------------

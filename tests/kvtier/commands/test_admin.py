@@ -6,9 +6,11 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import pytest
 from aiohttp import web
@@ -16,7 +18,11 @@ from aiohttp import web
 from kvtier import cli
 from kvtier.commands.admin import register
 from kvtier.daemon.server.rest import create_rest_app
+from kvtier.daemon.store.disk import DiskTier
+from kvtier.daemon.store.types import make_key
 from tests.kvtier.daemon.server.restkit import NS, NS_HEX, TOKEN, open_ctx, put_tokens, tokens_for
+from tests.kvtier.daemon.store.storekit import make_rec
+from tests.kvtier.daemon.store.test_disk_repair import damage
 
 COMMANDS = ("status", "ls", "inspect", "lookup", "clear", "check")
 
@@ -185,6 +191,69 @@ async def test_check(tmp_path, capsys):
         assert "kvtier check --fix" in out and f"missing: {NS_HEX}/{keys[0].hex()}" in out
         assert await kvtier("check", "--rest", url, "--token-file", str(token_file), "--fix", "--json") == 0
         assert json.loads(capsys.readouterr().out)["fixed"] is True
+
+
+async def test_check_finds_block_files_the_metadata_does_not_list(tmp_path, capsys):
+    """A block's entry is lost while a whole file of it remains that no entry lists: check reports
+    it (an orphan), and ``--fix`` lists it again and serves it from disk."""
+    async with daemon(tmp_path) as (ctx, url):
+        token_file = tmp_path / "tok"
+        token_file.write_text(TOKEN)
+        keys = await put_tokens(ctx.store, tokens_for(12))
+        disk, key = ctx.store.disk, NS.ns_id + keys[0]
+        src = Path(disk.file_path(key))
+        fid = 0x7777
+        shutil.copyfile(src, src.parent.parent / f"{fid & 0xFF:02x}" / f"{fid:016x}")
+        disk.delete_many([key])
+        assert await kvtier("check", "--rest", url, "--token-file", str(token_file)) == 2
+        out = capsys.readouterr().out
+        assert f"orphans: {NS_HEX}/{keys[0].hex()}" in out and f"missing: {NS_HEX}/{keys[0].hex()}" in out
+        assert await kvtier("check", "--rest", url, "--token-file", str(token_file), "--fix", "--json") == 0
+        report = json.loads(capsys.readouterr().out)
+        assert report["adopted"] == [{"ns": NS_HEX, "hash": keys[0].hex()}]
+        assert disk.file_path(key).endswith(f"{fid:016x}")
+        assert await kvtier("check", "--rest", url, "--token-file", str(token_file)) == 0
+        assert capsys.readouterr().out.startswith("no problems found")
+
+
+def _tier_with_records(tier: Path, n: int = 40) -> list:
+    recs = [make_rec(i) for i in range(n)]
+    with DiskTier(tier, 1 << 30) as d:
+        d.put_many([(make_key(r.ns_id, r.chain_hash), r.header, r.payload) for r in recs])
+        d.flush()
+    return recs
+
+
+def test_check_offline_reports_a_rebuild_and_corrupt_records(tmp_path, capsys):
+    data_dir = tmp_path / "data"
+    recs = _tier_with_records(data_dir / "disk")
+    damage(data_dir / "disk", "truncate-manifest")
+    args = parse(["check", "--data-dir", str(data_dir)])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"disk tier {data_dir / 'disk'}: problems repaired (40 records, missing 0, corrupt 0")
+    assert "repaired at open: metadata damaged (the metadata is new but 40 block files exist)" in out
+    with DiskTier(data_dir / "disk", 1 << 30) as d:  # one record's file cut short
+        os.truncate(d.file_path(make_key(recs[3].ns_id, recs[3].chain_hash)), 4096)
+    args = parse(["check", "--data-dir", str(data_dir / "disk"), "--json"])
+    assert args.func(args) == 2
+    (tier,) = json.loads(capsys.readouterr().out)["tiers"]
+    assert tier["corrupt"] == [make_key(recs[3].ns_id, recs[3].chain_hash).hex()] and tier["repair"] is None
+    args = parse(["check", "--data-dir", str(data_dir), "--fix"])
+    assert args.func(args) == 0
+    assert "problems repaired (39 records" in capsys.readouterr().out
+
+
+def test_check_offline_without_a_tier_or_while_a_daemon_holds_it_is_one_line_and_exit_1(tmp_path, capsys):
+    args = parse(["check", "--data-dir", str(tmp_path / "nothing")])
+    assert args.func(args) == 1
+    assert capsys.readouterr().err == f"kvtier: no disk tier under {tmp_path / 'nothing'}\n"
+    _tier_with_records(tmp_path / "data" / "disk", 2)
+    with DiskTier(tmp_path / "data" / "disk", 1 << 30):
+        args = parse(["check", "--data-dir", str(tmp_path / "data")])
+        assert args.func(args) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"is in use by another process, pid {os.getpid()}" in err
 
 
 async def test_daemon_down_is_one_line_and_exit_1(capsys):

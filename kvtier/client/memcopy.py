@@ -1,7 +1,7 @@
 """Bulk copies of block payloads between buffers: a save into shared memory, a load out of it.
 
 :func:`copy` is used wherever the client moves a whole payload and will not read it again
-(``kvtier.client.shm.SegmentMap``, ``kvtier.client.into``); :func:`copy_many` makes the copies of a
+(``kvtier.client.shm.SegmentMap``, ``kvtier.client.load``); :func:`copy_many` makes the copies of a
 whole batch of blocks in one call (a save's, a load's), so no Python runs between them. It runs the C
 routine of ``kvtier.client._memcopy`` when that was built (setup.py builds it where a C compiler exists):
 from ``NONTEMPORAL_MIN_BYTES`` on x86-64 it copies with non-temporal stores and without the GIL,

@@ -5,7 +5,7 @@ KV events, connections) are prometheus-client instruments updated as they happen
 counters and gauges are read from ``ctx.store.counters`` / ``ctx.store.gauges()`` at each scrape
 by :class:`StoreCollector` (aesthetics convention 11: counters stay plain dataclasses, exported only
 at the edge). :data:`STORE_COUNTERS`, :data:`TIER_COUNTERS` and the gauge tables map each field
-of kvtier/store/stats.py to one metric, so exporting a new store counter is one line.
+of kvtier/daemon/store/stats.py to one metric, so exporting a new store counter is one line.
 
 Every store metric carries a ``tenant`` label: the tenant's name for a tenant's store, ``""``
 for the default store (Prometheus treats an empty label as absent, so queries written before
@@ -57,7 +57,7 @@ class Exported:
     """One store field exported as one metric family.
 
     Attributes:
-        field: attribute name in kvtier/store/stats.py.
+        field: attribute name in kvtier/daemon/store/stats.py.
         name: metric name without the ``_total`` suffix prometheus-client adds to counters.
         doc: HELP text.
     """

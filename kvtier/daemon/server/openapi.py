@@ -1,6 +1,6 @@
 """The OpenAPI 3.1 document of the REST API (served at ``/openapi.json``).
 
-Written by hand next to the routes in kvtier/server/rest.py; a test checks that both list the same
+Written by hand next to the routes in kvtier/daemon/server/rest.py; a test checks that both list the same
 (method, path) pairs, so a route cannot be added without documenting it.
 """
 

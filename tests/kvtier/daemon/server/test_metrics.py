@@ -88,7 +88,7 @@ def test_token_event_and_connection_counters():
 
 
 def test_tables_cover_every_store_field():
-    # A counter added to kvtier/store/stats.py must be exported too: one line in a table.
+    # A counter added to kvtier/daemon/store/stats.py must be exported too: one line in a table.
     assert {e.field for e in STORE_COUNTERS} == {f.name for f in fields(StoreCounters)} - {"tiers"}
     assert {e.field for e in TIER_COUNTERS} == {f.name for f in fields(TierCounters)}
     assert {e.field for e in STORE_GAUGES} == {f.name for f in fields(StoreGauges)} - {"tiers"}

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import sys
@@ -33,8 +34,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     run = argparse.ArgumentParser(add_help=False)
     run.add_argument("--model", metavar="DIR", required=True, help="HF-format checkpoint (config.json + safetensors)")
-    run.add_argument("--kvtier", metavar="ADDRESS", default=None,
-                     help="daemon address (unix:/path or tcp://host:port); default: no kvtier")
+    where = run.add_mutually_exclusive_group()
+    where.add_argument("--kvtier", metavar="ADDRESS", default=None,
+                       help="daemon address (unix:/path or tcp://host:port); it must answer. Default: the "
+                            "daemon at the default address ($KVTIER_ADDRESS, else the default socket) if one "
+                            "answers there, else none")
+    where.add_argument("--no-kvtier", action="store_true", help="run without kvtier")
     run.add_argument("--codec", choices=CODECS, default="raw", help="how blocks are stored (raw)")
     run.add_argument("--device", default="cpu", help="torch device (cpu)")
     run.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and KV dtype (float32)")
@@ -115,13 +120,39 @@ def read_prompt(text: str, *, as_text: bool, vocab_size: int) -> list[int]:
     return tokens
 
 
+def kvtier_address(args: argparse.Namespace, env: dict[str, str] | None = None) -> str | None:
+    """The daemon the engine uses: ``--kvtier`` (which must answer), else the default address if
+    a daemon answers there, else None (the engine runs alone, and says so on stderr).
+
+    Raises:
+        Unavailable: ``--kvtier`` was given and no daemon answers there (the message names it).
+    """
+    from kvtier_protocol.address import default_address
+    from kvtier_protocol.errors import KVTierError, Unavailable
+
+    from kvtier.client import Client
+
+    if args.no_kvtier:
+        return None
+    address = args.kvtier or default_address(os.environ if env is None else env)
+    try:
+        Client.connect(address, timeout_s=2.0, connect_timeout_s=2.0, retries=0).close()
+    except KVTierError as exc:
+        if args.kvtier:
+            raise Unavailable(f"cannot reach the kvtier daemon at {address} (--kvtier): {exc}") from None
+        print(f"kvtier engine: no kvtier daemon at {address}; running without kvtier "
+              "(--kvtier ADDRESS to name one)", file=sys.stderr)
+        return None
+    return address
+
+
 def _engine(args: argparse.Namespace) -> Any:
     import torch
 
     from kvtier.engine import Engine
 
     return Engine(args.model, device=args.device, dtype=getattr(torch, args.dtype), block_tokens=args.block_tokens,
-                  max_step_tokens=args.max_step_tokens, kvtier_address=args.kvtier, codec=args.codec)
+                  max_step_tokens=args.max_step_tokens, kvtier_address=kvtier_address(args), codec=args.codec)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -164,10 +195,10 @@ def _bench(args: argparse.Namespace) -> int:
         raise ValueError("need --prompt-tokens >= 2 and --repetitions >= 1")
     one = SamplingParams(max_tokens=1)
     figures: dict[str, list[float]] = {"full_prefill": [], "engine_hit": []}
-    if args.kvtier:
-        figures["kvtier_hit"] = []
     hits: dict[str, int] = {}
     with _engine(args) as engine:
+        if engine.connector is not None:
+            figures["kvtier_hit"] = []
         vocab = engine.model.config.vocab_size
         g = torch.Generator().manual_seed(args.seed)
         engine.generate([torch.randint(0, vocab, (32,), generator=g).tolist()], one)  # warm-up
@@ -176,7 +207,7 @@ def _bench(args: argparse.Namespace) -> int:
             prompt = torch.randint(0, vocab, (args.prompt_tokens,), generator=g).tolist()
             engine.reset_prefix_cache()
             runs = {"full_prefill": engine.generate([prompt], one)[0], "engine_hit": engine.generate([prompt], one)[0]}
-            if args.kvtier:
+            if "kvtier_hit" in figures:
                 engine.reset_prefix_cache()
                 runs["kvtier_hit"] = engine.generate([prompt], one)[0]
             for name, out in runs.items():

@@ -26,6 +26,12 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(n)
 
 
+@pytest.fixture(autouse=True)
+def no_default_daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A test names its daemon: none answers at the default address, whatever runs on this machine.
+    monkeypatch.setenv("KVTIER_ADDRESS", f"unix:{tmp_path}/none.sock")
+
+
 def kvtier(*argv: str) -> int:
     parser = argparse.ArgumentParser(prog="kvtier")
     register(parser.add_subparsers(dest="command", required=True))
@@ -120,3 +126,32 @@ def test_every_codec_of_the_protocol_is_offered() -> None:
         args = parser.parse_args(["engine", "generate", "--model", "m", "--prompt-file", "p", "--codec", codec])
         assert args.codec == codec
     assert {"int2", "fp8_e4m3"} <= set(CODECS)
+
+
+def test_an_explicit_daemon_that_does_not_answer_is_an_error(model_dir: Path, tmp_path: Path, capsys) -> None:
+    f = tmp_path / "p.txt"
+    f.write_text("1 2 3")
+    missing = f"unix:{tmp_path}/missing.sock"
+    assert kvtier("engine", "generate", "--model", str(model_dir), "--prompt-file", str(f), "--kvtier", missing) == 1
+    captured = capsys.readouterr()
+    (line,) = captured.err.strip().splitlines()
+    assert line.startswith("kvtier engine: cannot reach the kvtier daemon at " + missing)
+    assert captured.out == ""
+
+
+def test_without_kvtier_flag_the_default_daemon_is_used_if_it_answers(model_dir: Path, tmp_path: Path, kvtier_daemon,
+                                                                     monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    f = tmp_path / "prompt.txt"
+    f.write_text(" ".join(str(i % 200) for i in range(40)))
+    argv = ("engine", "generate", "--model", str(model_dir), "--prompt-file", str(f), "--json", "--max-tokens", "2")
+    assert kvtier(*argv) == 0  # nobody at the default address: runs alone, and says so
+    alone = capsys.readouterr()
+    assert json.loads(alone.out)["saved_blocks"] == 0 and "running without kvtier" in alone.err
+    monkeypatch.setenv("KVTIER_ADDRESS", kvtier_daemon.address)
+    runs = []
+    for _ in range(2):
+        assert kvtier(*argv) == 0
+        runs.append(json.loads(capsys.readouterr().out))
+    assert runs[0]["saved_blocks"] == 2 and runs[1]["loaded_tokens"] == 32
+    assert kvtier(*argv, "--no-kvtier") == 0
+    assert json.loads(capsys.readouterr().out)["loaded_tokens"] == 0

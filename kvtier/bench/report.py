@@ -212,6 +212,14 @@ def emit(results: Sequence[SuiteResult], *, json_path: str | None, stream: TextI
         Path(json_path).write_text(json.dumps(payload, indent=2) + "\n")
 
 
+_progress_start: float | None = None
+
+
 def progress(msg: str) -> None:
-    """Progress goes to stderr so stdout stays a clean table."""
-    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+    """One line of progress on stderr (stdout stays a clean table), stamped with the seconds since
+    the first line of this process, so a reader sees which step is slow while it runs."""
+    global _progress_start
+    now = time.monotonic()
+    if _progress_start is None:
+        _progress_start = now
+    print(f"[bench {now - _progress_start:6.1f} s] {msg}", file=sys.stderr, flush=True)

@@ -167,7 +167,7 @@ def _generate(args: argparse.Namespace) -> int:
                             seed=args.seed)
     with _engine(args) as engine:
         prompt = read_prompt(content, as_text=args.text, vocab_size=engine.model.config.vocab_size)
-        out = engine.generate([prompt], params)[0]
+        out = _run_with_progress(engine, prompt, params)
         saved = engine.stats.saved_blocks
     result = {"token_ids": out.token_ids, "ttft_ms": round(out.ttft_s * 1e3, 3), "prompt_tokens": len(prompt),
               "prefix_hit_tokens": out.prefix_hit_tokens, "loaded_tokens": out.loaded_tokens,
@@ -184,6 +184,27 @@ def _generate(args: argparse.Namespace) -> int:
     print(f"prefix_hit_tokens: {out.prefix_hit_tokens} of {len(prompt)} (loaded from kvtier: {out.loaded_tokens})")
     print(f"saved_blocks: {saved}")
     return 0
+
+
+def _run_with_progress(engine: Any, prompt: list[int], params: Any) -> Any:
+    """``engine.generate([prompt], params)[0]``, step by step, with a progress line in a terminal
+    (a long prompt on a CPU takes minutes, and the command prints nothing until it ends)."""
+    from kvtier.commands.progress import Progress
+
+    request_id = engine.add_request(prompt, params)
+    out = None
+    with Progress("kvtier engine") as bar:
+        while engine.has_unfinished():
+            for finished in engine.step():
+                if finished.request_id == request_id:
+                    out = finished
+            stats = engine.stats
+            bar.update(f"{stats.computed_tokens} tokens computed in {stats.steps} steps "
+                       f"(prompt {len(prompt)}, {stats.loaded_tokens} loaded from kvtier)")
+        bar.update("saving the new blocks to kvtier", force=True)
+        engine.flush()
+    assert out is not None, "the request finished"
+    return out
 
 
 def _bench(args: argparse.Namespace) -> int:

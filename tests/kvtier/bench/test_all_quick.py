@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -119,7 +120,7 @@ def test_all_lists_suites_in_order_and_says_why_gpu_was_skipped(quick_all: Quick
     assert quick_all.status == (1 if "\nFAILED " in out else 0)  # 1 exactly when a suite failed
     assert ran == [s for s in kvtier.bench.SUITES if s in ran]  # registry order
     assert out.startswith("suite: all\n")
-    assert "[bench] all: [1/" in err and " done in " in err  # progress while running
+    assert re.search(r"^\[bench +\d+\.\d s\] all: \[1/", err, re.M) and " done in " in err  # progress, stamped
     if torch.cuda.is_available():
         assert "gpu" in ran
     else:

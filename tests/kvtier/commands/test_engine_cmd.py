@@ -155,3 +155,25 @@ def test_without_kvtier_flag_the_default_daemon_is_used_if_it_answers(model_dir:
     assert runs[0]["saved_blocks"] == 2 and runs[1]["loaded_tokens"] == 32
     assert kvtier(*argv, "--no-kvtier") == 0
     assert json.loads(capsys.readouterr().out)["loaded_tokens"] == 0
+
+
+def test_generate_draws_progress_in_a_terminal_and_prints_the_same(model_dir: Path, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    import io
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    f = tmp_path / "p.txt"
+    f.write_text(" ".join(str(i % 200) for i in range(40)))
+    argv = ("engine", "generate", "--model", str(model_dir), "--prompt-file", str(f), "--json", "--seed", "1",
+            "--no-kvtier")
+    assert kvtier(*argv) == 0
+    plain = json.loads(capsys.readouterr().out)
+    tty = Tty()
+    monkeypatch.setattr(sys, "stderr", tty)
+    assert kvtier(*argv) == 0
+    drawn = json.loads(capsys.readouterr().out)
+    assert drawn["token_ids"] == plain["token_ids"]
+    assert "kvtier engine: " in tty.getvalue() and "tokens computed" in tty.getvalue()

@@ -1,0 +1,419 @@
+"""The remote tier on a Redis (or Valkey) Cluster, through redis-py's asyncio ``RedisCluster``.
+
+Keys (no hash tag, so a namespace's blocks spread over every shard)::
+
+    <prefix>:<tenant>:<ns_id hex>:<chain hash hex>    a block's whole record (header + payload)
+    <prefix>:<tenant>:ns:<ns_id hex>                   a namespace's canonical bytes
+
+A batch is sorted by hash slot and cut into pipelines of ``batch_keys`` commands (consecutive
+slots mostly share a master, so a pipeline is mostly one round trip to one node); up to
+``parallel`` pipelines of a call are in flight at once. The whole call runs under one deadline:
+what has not answered by then is a miss, what has answered is kept.
+
+Faults never reach the caller: a connection refused, a timeout, a cluster that is down or failing
+over, an ACL refusal is a miss / ``False``, counted by kind in :class:`RemoteCounters`. A circuit
+breaker (:mod:`kvtier.daemon.remote.breaker`) stops calling a cluster that failed
+``breaker.failures`` calls in a row, and lets one probe through after a back-off.
+
+The cluster kvtier expects: ``cluster-require-full-coverage no`` (a lost shard must not stop the
+others), ``maxmemory`` with ``maxmemory-policy allkeys-lru`` (the remote tier's eviction), one
+replica per master (failover instead of loss), and, with tenants, one ACL user per tenant limited
+to ``~<prefix>:<tenant>:*``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from redis import exceptions as rx
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.crc import key_slot
+
+from kvtier_protocol.namespace import NS_ID_LEN
+
+from kvtier.daemon.remote.backend import TENANT_NAME, RemoteBlocks, RemoteCounters, RemoteKey, Value
+from kvtier.daemon.remote.breaker import BreakerSettings, BreakerState, CircuitBreaker
+
+log = logging.getLogger(__name__)
+
+SCHEMES = {"redis+cluster": False, "rediss+cluster": True}
+"""URL scheme -> TLS."""
+DEFAULT_PORT = 6379
+PREFIX = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+"""A key prefix: no ``:`` (the key's separator), no ``{``/``}`` (a hash tag would pin keys to one
+shard)."""
+
+TRANSPORT = frozenset(("timeout", "connection", "cluster_down"))
+"""Error kinds that mean the cluster (or a shard) could not be reached: what the breaker counts."""
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterAddress:
+    """The seed nodes of a cluster URL and whether to speak TLS."""
+
+    nodes: tuple[tuple[str, int], ...]
+    tls: bool
+
+    def __str__(self) -> str:
+        scheme = "rediss+cluster" if self.tls else "redis+cluster"
+        return f"{scheme}://" + ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in self.nodes)
+
+
+def parse_cluster_url(url: str) -> ClusterAddress:
+    """Parse ``redis+cluster://HOST:PORT[,HOST:PORT...]`` (``rediss+cluster://`` for TLS).
+
+    A port defaults to 6379; an IPv6 host is written in brackets. Credentials are refused in the
+    URL (they would end up in logs and process listings): use the user and password file settings.
+
+    Raises:
+        ValueError: another scheme, no node, a bad port, credentials, a path or a query.
+    """
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme not in SCHEMES:
+        raise ValueError(f"a remote cluster URL starts with redis+cluster:// or rediss+cluster://, got {url!r:.80}")
+    if "@" in rest:
+        raise ValueError("credentials do not go in the cluster URL: set the user and a password file")
+    if any(c in rest for c in "/?#"):
+        raise ValueError(f"a cluster URL holds seed nodes only (HOST:PORT,...), got {url!r:.80}")
+    nodes: list[tuple[str, int]] = []
+    for part in rest.split(","):
+        if part.startswith("["):
+            host, close, tail = part[1:].partition("]")
+            if not close or (tail and not tail.startswith(":")):
+                raise ValueError(f"bad IPv6 seed node {part!r}")
+            port_s = tail[1:] if tail else ""
+        else:
+            host, _, port_s = part.partition(":")
+        if not host:
+            raise ValueError(f"empty host in cluster URL {url!r:.80}")
+        try:
+            port = int(port_s) if port_s else DEFAULT_PORT
+        except ValueError:
+            raise ValueError(f"bad port {port_s!r} in cluster URL") from None
+        if not 0 < port < 65536:
+            raise ValueError(f"port {port} out of range in cluster URL")
+        nodes.append((host, port))
+    return ClusterAddress(tuple(nodes), SCHEMES[scheme])
+
+
+@dataclass(frozen=True, slots=True)
+class RedisClusterSettings:
+    """How to reach the cluster. Nothing here is secret: the password stays in its file.
+
+    Attributes:
+        url: seed nodes, ``redis+cluster://HOST:PORT[,HOST:PORT...]`` or ``rediss+cluster://``.
+        user: ACL user (None: the default user).
+        password_file: file whose first line is the password (None: no password).
+        timeout_s: per-call deadline (the whole batch), also the socket timeout.
+        prefix: first part of every key (``[A-Za-z0-9_.-]{1,64}``).
+        batch_keys: commands per pipeline.
+        parallel: pipelines of one call in flight at once.
+        tls_ca_file: CA bundle to verify the servers' certificates (TLS only; None: system CAs).
+        breaker: the circuit breaker's thresholds.
+    """
+
+    url: str
+    user: str | None = None
+    password_file: str | None = None
+    timeout_s: float = 1.0
+    prefix: str = "kvtier"
+    batch_keys: int = 8
+    parallel: int = 4
+    tls_ca_file: str | None = None
+    breaker: BreakerSettings = field(default_factory=BreakerSettings)
+
+    def __post_init__(self) -> None:
+        parse_cluster_url(self.url)
+        if not PREFIX.fullmatch(self.prefix):
+            raise ValueError(f"key prefix must match {PREFIX.pattern}, got {self.prefix!r:.80}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
+        for name in ("batch_keys", "parallel"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+
+
+def block_key(prefix: str, key: RemoteKey) -> bytes:
+    """The cluster key of a block."""
+    return f"{prefix}:{key.tenant}:{key.ns_id.hex()}:{key.chain_hash.hex()}".encode()
+
+
+def namespace_key(prefix: str, tenant: str, ns_id: bytes) -> bytes:
+    """The cluster key of a namespace's canonical bytes.
+
+    Raises:
+        ValueError: a bad tenant name or ``ns_id``.
+    """
+    if not isinstance(tenant, str) or not TENANT_NAME.fullmatch(tenant):
+        raise ValueError(f"tenant must match {TENANT_NAME.pattern}, got {tenant!r:.40}")
+    if not isinstance(ns_id, bytes) or len(ns_id) != NS_ID_LEN:
+        raise ValueError(f"ns_id must be {NS_ID_LEN} bytes, got {ns_id!r:.60}")
+    return f"{prefix}:{tenant}:ns:{ns_id.hex()}".encode()
+
+
+def error_kind(e: BaseException) -> str:
+    """The counter name of a failure (the order matters: redis-py's classes nest)."""
+    if isinstance(e, (asyncio.TimeoutError, asyncio.CancelledError, rx.TimeoutError)):
+        return "timeout"
+    if isinstance(e, (rx.NoPermissionError, rx.AuthenticationError, rx.AuthenticationWrongNumberOfArgsError)):
+        return "auth"
+    if isinstance(e, rx.OutOfMemoryError):
+        return "oom"
+    if isinstance(e, (rx.ClusterDownError, rx.TryAgainError, rx.RedisClusterException)):
+        return "cluster_down"
+    if isinstance(e, (rx.ConnectionError, OSError)):
+        return "connection"
+    if isinstance(e, rx.ResponseError):
+        return "response"
+    return "other"
+
+
+class _Failed:
+    """A command that got no answer (the reason is counted once per pipeline, not per key)."""
+
+    __slots__ = ("kind",)
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+
+def _read_password(path: str | None) -> str | None:
+    if path is None:
+        return None
+    lines = Path(path).read_text().splitlines()
+    return lines[0] if lines else ""
+
+
+class RedisClusterBlocks(RemoteBlocks):
+    """Block records in a Redis Cluster. See the module docstring for keys and faults.
+
+    Construction reads the password file and checks the settings; nothing connects until the
+    first call (a cluster down at start is a miss like any other, and the breaker's business).
+
+    Raises (construction): ValueError for bad settings; OSError when the password file cannot be
+    read.
+    """
+
+    def __init__(self, settings: RedisClusterSettings, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.settings = settings
+        self.address = parse_cluster_url(settings.url)
+        self._password = _read_password(settings.password_file)
+        self._counters = RemoteCounters()
+        self._breaker = CircuitBreaker(settings.breaker, clock=clock, on_change=self._breaker_changed)
+        self._client: RedisCluster | None = None
+        self._stragglers: set[asyncio.Task[Any]] = set()  # cancelled pipelines still unwinding
+        self._closed = False
+
+    def __repr__(self) -> str:  # never the password
+        return f"RedisClusterBlocks({self.address}, user={self.settings.user!r}, prefix={self.settings.prefix!r})"
+
+    @property
+    def counters(self) -> RemoteCounters:
+        return self._counters
+
+    @property
+    def breaker_state(self) -> BreakerState:
+        """The circuit breaker's state now."""
+        return self._breaker.state
+
+    # -- the interface ------------------------------------------------------------------------
+
+    async def exists(self, keys: Sequence[RemoteKey], *, timeout_s: float | None = None) -> list[bool]:
+        prefix = self.settings.prefix
+        answers = await self._call([("EXISTS", block_key(prefix, k)) for k in keys], timeout_s)
+        return [not isinstance(a, (_Failed, BaseException)) and bool(a) for a in answers]
+
+    async def get(self, keys: Sequence[RemoteKey], *, timeout_s: float | None = None) -> list[bytes | None]:
+        prefix = self.settings.prefix
+        start = time.perf_counter()
+        answers = await self._call([("GET", block_key(prefix, k)) for k in keys], timeout_s)
+        if keys and not all(isinstance(a, _Failed) and a.kind == "skipped" for a in answers):
+            self._counters.fetch_latency.observe(time.perf_counter() - start)
+        out: list[bytes | None] = []
+        c = self._counters
+        for a in answers:
+            if isinstance(a, bytes):
+                out.append(a)
+                c.blocks_down += 1
+                c.bytes_down += len(a)
+            else:
+                out.append(None)
+                c.misses += 1
+        return out
+
+    async def put(self, items: Sequence[tuple[RemoteKey, Value]], *,
+                  timeout_s: float | None = None) -> list[bool]:
+        prefix = self.settings.prefix
+        values = [_bytes_like(v) for _, v in items]
+        answers = await self._call([("SET", block_key(prefix, k), v) for (k, _), v in zip(items, values)], timeout_s)
+        out = [a is True or a == b"OK" for a in answers]
+        c = self._counters
+        for ok, v in zip(out, values):
+            if ok:
+                c.blocks_up += 1
+                c.bytes_up += v.nbytes if isinstance(v, memoryview) else len(v)
+            else:
+                c.put_failures += 1
+        return out
+
+    async def delete(self, keys: Sequence[RemoteKey], *, timeout_s: float | None = None) -> None:
+        prefix = self.settings.prefix
+        answers = await self._call([("DEL", block_key(prefix, k)) for k in keys], timeout_s)
+        self._counters.deleted += sum(1 for a in answers if isinstance(a, int) and a > 0)
+
+    async def put_namespace(self, tenant: str, ns_id: bytes, canonical: bytes, *,
+                            timeout_s: float | None = None) -> bool:
+        key = namespace_key(self.settings.prefix, tenant, ns_id)
+        [a] = await self._call([("SET", key, _bytes_like(canonical))], timeout_s)
+        return a is True or a == b"OK"
+
+    async def get_namespace(self, tenant: str, ns_id: bytes, *,
+                            timeout_s: float | None = None) -> bytes | None:
+        key = namespace_key(self.settings.prefix, tenant, ns_id)
+        [a] = await self._call([("GET", key)], timeout_s)
+        return a if isinstance(a, bytes) else None
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._stragglers:
+            await asyncio.gather(*self._stragglers, return_exceptions=True)
+        if self._client is not None:
+            client, self._client = self._client, None
+            await client.aclose()
+
+    # -- the engine -----------------------------------------------------------------------------
+
+    def _cluster(self) -> RedisCluster:
+        """The client, made on first use (inside the loop that will drive it)."""
+        if self._closed:
+            raise RuntimeError("RedisClusterBlocks is closed")
+        if self._client is None:
+            s = self.settings
+            extra: dict[str, Any] = {}
+            if self.address.tls:
+                extra.update(ssl=True, ssl_ca_certs=s.tls_ca_file)
+            self._client = RedisCluster(
+                startup_nodes=[ClusterNode(h, p) for h, p in self.address.nodes],
+                username=s.user, password=self._password, decode_responses=False,
+                socket_timeout=s.timeout_s, socket_connect_timeout=s.timeout_s,
+                # A lost shard must not turn the others' keys into errors: only its slots miss.
+                require_full_coverage=False,
+                # One quick retry (a MOVED topology refresh); the call's deadline bounds the rest.
+                retry=Retry(NoBackoff(), 1),
+                **extra)
+        return self._client
+
+    async def _call(self, commands: list[tuple[Any, ...]], timeout_s: float | None) -> list[Any]:
+        """Run single-key commands in pipelines; one answer per command: the reply or a _Failed."""
+        if not commands:
+            return []
+        if not self._breaker.allow():
+            self._counters.skipped += 1
+            return [_Failed("skipped")] * len(commands)
+        deadline = self.settings.timeout_s if timeout_s is None else timeout_s
+        answers: list[Any] = [_Failed("timeout")] * len(commands)
+        # Sorted by hash slot: a pipeline of consecutive slots mostly talks to one master.
+        order = sorted(range(len(commands)), key=lambda i: key_slot(commands[i][1]))
+        n = self.settings.batch_keys
+        chunks = [order[i:i + n] for i in range(0, len(order), n)]
+        gate = asyncio.Semaphore(self.settings.parallel)
+        reached = failed = False
+        kinds: set[str] = set()
+        client = self._cluster()
+        tasks = [asyncio.ensure_future(self._pipeline(client, gate, [commands[i] for i in chunk]))
+                 for chunk in chunks]
+        try:
+            _, pending = await asyncio.wait(tasks, timeout=deadline)
+        except asyncio.CancelledError:  # our caller gave up: so do we, and the probe slot is free
+            self._breaker.abandon()
+            for task in tasks:
+                task.cancel()
+                self._stragglers.add(task)
+                task.add_done_callback(self._straggler_done)
+            raise
+        for task in pending:
+            task.cancel()
+            self._stragglers.add(task)
+            task.add_done_callback(self._straggler_done)
+        for chunk, task in zip(chunks, tasks):
+            if task in pending:
+                failed = True
+                kinds.add("timeout")
+                continue
+            exc = task.exception()
+            if exc is not None:
+                failed = True
+                kinds.add(error_kind(exc))
+                log.debug("remote %s pipeline failed: %s", commands[chunk[0]][0], type(exc).__name__)
+                for i in chunk:
+                    answers[i] = _Failed(error_kind(exc))
+                continue
+            chunk_reached = False
+            for i, reply in zip(chunk, task.result()):
+                if isinstance(reply, BaseException):
+                    kind = error_kind(reply)
+                    kinds.add(kind)
+                    answers[i] = _Failed(kind)
+                    chunk_reached |= kind not in TRANSPORT
+                else:
+                    answers[i] = reply
+                    chunk_reached = True
+            reached |= chunk_reached
+            failed |= not chunk_reached
+        for kind in kinds:
+            self._counters.error(kind)
+        # A call that reached any node proves the cluster is there (a lost shard alone must not
+        # open the breaker for every other shard); one that reached none is a failure.
+        if reached:
+            self._breaker.success()
+        elif failed:
+            self._breaker.failure()
+        else:
+            self._breaker.abandon()
+        return answers
+
+    @staticmethod
+    async def _pipeline(client: RedisCluster, gate: asyncio.Semaphore, commands: list[tuple[Any, ...]]) -> list[Any]:
+        async with gate:
+            pipe = client.pipeline()
+            for command in commands:
+                pipe.execute_command(*command)
+            return await pipe.execute(raise_on_error=False)
+
+    def _straggler_done(self, task: asyncio.Task[Any]) -> None:
+        self._stragglers.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: a late failure of a call already answered is not news
+
+    def _breaker_changed(self, old: BreakerState, new: BreakerState) -> None:
+        self._counters.breaker_state = new.value
+        if new is BreakerState.OPEN:
+            if old is BreakerState.CLOSED:
+                self._counters.breaker_opens += 1
+                log.warning("remote tier %s unreachable: circuit breaker open, calls answer misses "
+                            "until a probe succeeds", self.address)
+        elif new is BreakerState.CLOSED:
+            log.warning("remote tier %s reachable again: circuit breaker closed", self.address)
+
+
+def _bytes_like(v: Value) -> bytes | memoryview:
+    """What redis-py packs without a copy: bytes or a byte memoryview.
+
+    Raises:
+        TypeError: not bytes-like.
+    """
+    if isinstance(v, bytes):
+        return v
+    if isinstance(v, (bytearray, memoryview)):
+        return memoryview(v).cast("B")
+    raise TypeError(f"a remote value must be bytes-like, got {type(v).__name__}")

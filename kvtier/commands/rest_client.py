@@ -55,7 +55,8 @@ class RestClient:
         token_hint: where the token was looked for, for the 401 message.
         tenant: the tenant whose store every call works on (``?tenant=``). None: the store the
             token selects (the default store for the admin's token or none).
-        always: send the token with every call, reads too (a tenant's token selects its store;
+        always: send the token with every call, reads too (reads of the store need a token
+            unless the daemon has ``rest.public_reads``; a tenant's token selects its store;
             ``--tenant`` needs a token); else only where a call asks for it.
     """
 
@@ -87,19 +88,24 @@ class RestClient:
             base = rest_url(cfg.rest.listen) if cfg is not None and cfg.rest.listen else "http://127.0.0.1:7471"
         token, hint = None, "pass --token-file FILE or set KVTIER_TOKEN"
         tenant = getattr(args, "tenant", None)
-        if not (getattr(args, "needs_token", False) or tenant or getattr(args, "token_file", None)):
-            pass  # a read-only command on the default store: no token is looked for (nor a file read)
-        elif args.token_file:
+        # Reads of the store need a token too (unless the daemon has rest.public_reads): a
+        # read-only command looks for one the same way, but does without when none is readable.
+        required = bool(getattr(args, "needs_token", False) or tenant)
+        if getattr(args, "token_file", None):
             token = _read_token(args.token_file, missing_ok=False)
         elif cfg is not None and cfg.auth.token:
             token = cfg.auth.token
         elif cfg is not None:
             path = cfg.auth.token_file or os.path.join(cfg.data_dir, "token")
-            token = _read_token(path, missing_ok=cfg.auth.token_file is None)
+            try:
+                token = _read_token(path, missing_ok=cfg.auth.token_file is None or not required)
+            except CommandError:
+                if required:
+                    raise
             hint = f"no readable token in {path}; " + hint
         elif env.get("KVTIER_TOKEN"):
             token = env["KVTIER_TOKEN"].strip()
-        return cls(base, args.timeout, token, hint, tenant, bool(getattr(args, "token_file", None)))
+        return cls(base, args.timeout, token, hint, tenant, always=True)
 
     def get(self, path: str, *, ok_statuses: tuple[int, ...] = ()) -> Any:
         """GET ``path``; the decoded JSON answer. ``ok_statuses``: error statuses to return, not raise."""

@@ -75,6 +75,25 @@ class FrameStream(asyncio.BufferedProtocol):
         if self._on_connect is not None:
             self.task = self._loop.create_task(self._on_connect(self, self.writer))
 
+    @property
+    def limit(self) -> int:
+        """Bytes buffered ahead of the reader before the transport is paused."""
+        return self._limit
+
+    def set_limit(self, limit: int) -> None:
+        """Change :attr:`limit` (the daemon: small until the hello succeeds, then the full one)."""
+        assert limit > 0, "a byte count"
+        self._limit = limit
+        if len(self._buf) > limit and not self._read_paused and self._transport is not None:
+            self._read_paused = True
+            self._transport.pause_reading()
+        self._maybe_resume()
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received and not yet read (the payload being filled in place not counted)."""
+        return len(self._buf)
+
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._target is not None:
             return self._target[self._filled:]
@@ -233,12 +252,15 @@ async def read_payload(stream: FrameStream, n: int, buffers: PayloadBuffers) -> 
     """The next ``n`` bytes (a frame's payload): above :data:`POOLED_PAYLOAD_BYTES` received in
     place into a view of ``buffers`` (:meth:`PayloadBuffers.view`), else read as they come.
 
+    A new mapping is not populated: its pages are faulted in as bytes arrive, so memory grows
+    with what the peer actually sends, not with the length it announced.
+
     Raises:
         asyncio.IncompleteReadError: the stream ended first. ConnectionError: it broke.
     """
     if n <= POOLED_PAYLOAD_BYTES:
         return await stream.readexactly(n)
-    body = buffers.view(n)
+    body = buffers.view(n, populate=False)
     await stream.read_into(body)
     return body
 

@@ -10,7 +10,8 @@ import os
 import re
 from dataclasses import dataclass
 
-from kvtier.daemon.config.values import MIB, UNIX_PATH_MAX, ConfigError, hostport_option, positive, typed
+from kvtier.daemon.config.values import (MIB, MIN_TOKEN_LEN, UNIX_PATH_MAX, ConfigError, hostport_option, positive,
+                                         typed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,21 +23,35 @@ class DataPlaneConfig:
         listen: ``HOST:PORT`` of the TCP data plane (payloads inline, token required); None: off.
         socket_requires_token: ask for the token on the unix socket too (the file mode already
             limits it to the daemon's user).
-        max_connections: connections served at once; more are refused.
+        max_connections: unix-socket connections served at once; more are refused.
+        max_tcp_connections: TCP connections served at once, counted apart, so TCP peers can
+            never take the unix socket's places.
+        max_unauthenticated: connections of one listener (unix socket, TCP) that have not yet
+            completed their hello; more are refused until one does or times out.
+        hello_timeout_s: a connection that has not completed its hello this long after it was
+            accepted is closed.
         max_inflight: requests one connection may have outstanding (more: ``busy``).
         idle_timeout_s: a connection silent this long is closed.
         max_payload_bytes: largest frame payload (and block record).
         max_batch: most keys in one request.
+        max_connection_buffer_bytes: frame payloads one connection may hold at once (received or
+            being received, until their requests end); a frame beyond it waits for room.
+        max_buffer_bytes: the same for all connections together.
     """
 
     socket: str | None
     listen: str | None = None
     socket_requires_token: bool = False
     max_connections: int = 256
+    max_tcp_connections: int = 128
+    max_unauthenticated: int = 16
+    hello_timeout_s: float = 10.0
     max_inflight: int = 64
     idle_timeout_s: float = 300.0
     max_payload_bytes: int = 256 * MIB
     max_batch: int = 4096
+    max_connection_buffer_bytes: int = 512 * MIB
+    max_buffer_bytes: int = 1024 * MIB
 
     def __post_init__(self) -> None:
         if self.socket is not None:
@@ -46,21 +61,53 @@ class DataPlaneConfig:
                                   f"{self.socket!r} (use a shorter data_dir or socket path)")
         object.__setattr__(self, "listen", hostport_option("dataplane.listen", self.listen))
         typed("dataplane.socket_requires_token", self.socket_requires_token, bool)
-        for name in ("max_connections", "max_inflight", "max_payload_bytes", "max_batch"):
+        for name in ("max_connections", "max_tcp_connections", "max_unauthenticated", "max_inflight",
+                     "max_payload_bytes", "max_batch", "max_connection_buffer_bytes", "max_buffer_bytes"):
             positive(f"dataplane.{name}", getattr(self, name))
         positive("dataplane.idle_timeout_s", self.idle_timeout_s, number=True)
+        positive("dataplane.hello_timeout_s", self.hello_timeout_s, number=True)
+        # A frame's payload must fit both budgets, or it would wait for room forever.
+        for name in ("max_connection_buffer_bytes", "max_buffer_bytes"):
+            if getattr(self, name) < self.max_payload_bytes:
+                raise ConfigError(f"dataplane.{name} ({getattr(self, name)}) must be at least "
+                                  f"dataplane.max_payload_bytes ({self.max_payload_bytes})")
         if self.socket is None and self.listen is None:
             raise ConfigError("dataplane: both socket and listen are off; nothing would serve the data plane")
 
 
 @dataclass(frozen=True, slots=True)
 class RestConfig:
-    """The REST API and ``/metrics``. Attributes: listen: ``HOST:PORT``, or None (off)."""
+    """The REST API and ``/metrics``.
+
+    Attributes:
+        listen: ``HOST:PORT``, or None (off).
+        public_reads: serve the store's contents (stats, tiers, namespaces, blocks, lookup,
+            events) without a token; else they need a valid token (the admin's or a tenant's).
+            Health, readiness, ``/metrics`` and the OpenAPI document are always public.
+        public_tenant_metrics: ``/metrics`` shows every tenant's series without a token; else
+            anonymous scrapes see only the default store's, the admin token all of them and a
+            tenant's token its own.
+        max_connections: REST connections open at once; more are closed as they are accepted
+            (lowered at start when the descriptor limit leaves the data plane too few).
+        header_timeout_s: time a connection has to deliver a request's headers (from its
+            opening, or the end of its previous request); then it is closed.
+        body_timeout_s: time a request's body has to arrive once the handler reads it.
+    """
 
     listen: str | None = "127.0.0.1:7471"
+    public_reads: bool = False
+    public_tenant_metrics: bool = False
+    max_connections: int = 64
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "listen", hostport_option("rest.listen", self.listen))
+        typed("rest.public_reads", self.public_reads, bool)
+        typed("rest.public_tenant_metrics", self.public_tenant_metrics, bool)
+        positive("rest.max_connections", self.max_connections)
+        positive("rest.header_timeout_s", self.header_timeout_s, number=True)
+        positive("rest.body_timeout_s", self.body_timeout_s, number=True)
 
 
 _ZMQ_ENDPOINT = re.compile(r"(tcp|ipc|inproc)://\S+")
@@ -115,7 +162,7 @@ class AuthConfig:
         return f"AuthConfig(token={'<set>' if self.token else None}, token_file={self.token_file!r})"
 
     def __post_init__(self) -> None:
-        if self.token is not None and (not isinstance(self.token, str) or len(self.token) < 16):
-            raise ConfigError("auth.token must be text of at least 16 characters")
+        if self.token is not None and (not isinstance(self.token, str) or len(self.token) < MIN_TOKEN_LEN):
+            raise ConfigError(f"auth.token must be text of at least {MIN_TOKEN_LEN} characters")
         if self.token_file is not None and not typed("auth.token_file", self.token_file, str):
             raise ConfigError("auth.token_file must be a path")

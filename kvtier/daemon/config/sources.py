@@ -44,7 +44,8 @@ SECTIONS: dict[str, type] = {"store": StoreConfig, "dataplane": DataPlaneConfig,
                              "events": EventsConfig, "auth": AuthConfig, "daemon": DaemonConfig}
 _NESTED = ("store", "dataplane", "rest", "events", "auth", "tenants")  # fields that are not options
 SIZE_OPTIONS = frozenset({"store.host_bytes", "store.host_segment_bytes", "store.disk_bytes", "store.gpu_bytes",
-                          "store.gpu_segment_bytes", "dataplane.max_payload_bytes"})
+                          "store.gpu_segment_bytes", "dataplane.max_payload_bytes",
+                          "dataplane.max_connection_buffer_bytes", "dataplane.max_buffer_bytes"})
 NULLABLE = frozenset({"dataplane.socket", "dataplane.listen", "rest.listen", "events.endpoint",
                       "events.replay_endpoint", "auth.token"})
 """Options that take ``"off"`` (or ``""``) for None."""

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.daemon.config.sections import EventsConfig
-from kvtier.daemon.config.values import ConfigError, parse_size, typed
+from kvtier.daemon.config.values import MIN_TOKEN_LEN, ConfigError, parse_size, typed
 from kvtier.daemon.store.config import StoreConfig
 
 TENANT_NAME = re.compile(r"[a-z0-9_-]{1,32}")
@@ -79,8 +79,8 @@ class TenantConfig:
                 raise ConfigError(f"{where}.{key} must be a size in bytes, got {value!r}")
         if self.host_bytes == 0:
             raise ConfigError(f"{where}.host_bytes must be > 0: the host tier is where blocks are written")
-        if self.token is not None and (not isinstance(self.token, str) or len(self.token) < 16):
-            raise ConfigError(f"{where}.token must be text of at least 16 characters")
+        if self.token is not None and (not isinstance(self.token, str) or len(self.token) < MIN_TOKEN_LEN):
+            raise ConfigError(f"{where}.token must be text of at least {MIN_TOKEN_LEN} characters")
         if self.token_file is not None and not typed(f"{where}.token_file", self.token_file, str):
             raise ConfigError(f"{where}.token_file must be a path")
         # EventsConfig checks the endpoints' form (and that replay needs a publisher, at start).

@@ -16,6 +16,8 @@ from kvtier_protocol.errors import InvalidRequest
 
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 UNIX_PATH_MAX = 107  # sun_path is 108 bytes including the terminating NUL
+MIN_TOKEN_LEN = 16
+"""The shortest token accepted from any source (inline, environment, token file, tenant): one rule."""
 
 
 class ConfigError(InvalidRequest, ValueError):

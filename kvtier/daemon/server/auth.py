@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from kvtier_protocol.errors import Unauthorized
 
 from kvtier.daemon.config import AuthConfig, ConfigError
+from kvtier.daemon.config.values import MIN_TOKEN_LEN
 
 if TYPE_CHECKING:
     from kvtier.daemon.config import TenantConfig
@@ -67,7 +68,8 @@ class Auth:
         tenants: each tenant's token, by tenant name.
 
     Raises:
-        TokenFileError: a token that is empty, too long, or holds whitespace or control
+        TokenFileError: a token that is empty, shorter than :data:`MIN_TOKEN_LEN` (the same rule
+            for every source: inline, environment, token file), too long, or holds whitespace or control
             characters (it could not be typed or sent as wire text reliably), or two principals
             that share a token.
     """
@@ -159,6 +161,8 @@ class Auth:
 def _check_token(token: object, source: str) -> None:
     if not isinstance(token, str) or not token:
         raise TokenFileError(f"the token from {source} is empty")
+    if len(token) < MIN_TOKEN_LEN:  # a short token can be guessed; the rule of auth.token, for every source
+        raise TokenFileError(f"the token from {source} is shorter than {MIN_TOKEN_LEN} characters")
     if len(token) > MAX_TOKEN_LEN:
         raise TokenFileError(f"the token from {source} is longer than {MAX_TOKEN_LEN} characters")
     if not token.isprintable() or any(c.isspace() for c in token):

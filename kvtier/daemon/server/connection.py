@@ -11,6 +11,14 @@ A frame that cannot be decoded leaves the stream out of sync: it is answered wit
 fails, is answered with an error carrying its ``id``; the connection stays. When the connection
 ends, for whatever reason, its in-flight requests finish and every lease it still holds is
 released, so a client killed between reserve and commit leaves no visible block behind.
+
+Before its hello succeeds a connection is a stranger's, and costs the daemon next to nothing: it
+must say hello within ``hello_timeout_s``, frames bigger than a hello (:data:`HELLO_MAX_BYTES`)
+or with a payload close it, and its stream buffers at most :data:`HELLO_STREAM_LIMIT` ahead.
+After the hello, a frame's payload is charged to the connection's and the daemon's byte budgets
+(``max_connection_buffer_bytes``, ``max_buffer_bytes``) from its preamble until its request
+ends; a frame that does not fit waits, unread, so the peer's sending stalls instead of the
+daemon's memory growing.
 """
 
 from __future__ import annotations
@@ -20,13 +28,14 @@ import itertools
 import logging
 import socket
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvtier_protocol import frames as fr
-from kvtier_protocol.errors import (Busy, InvalidRequest, KVTierError, ProtocolError, Truncated,
+from kvtier_protocol.errors import (Busy, InvalidRequest, KVTierError, LimitExceeded, ProtocolError, Truncated,
                                     Unauthorized, UnsupportedVersion)
 
-from kvtier_protocol.buffers import PayloadBuffers
+from kvtier_protocol.buffers import ByteBudget, PayloadBuffers
 from kvtier.daemon.server.handlers import RequestHandler, Session
 from kvtier_protocol.frame_stream import FrameStream, read_payload
 from kvtier.daemon.server.tenancy import hello_scope
@@ -40,6 +49,8 @@ log = logging.getLogger(__name__)
 MUTATING_OPS = ("delete", "clear")  # need the token over TCP (SPEC §7.4)
 FDS_SEND_TIMEOUT_S = 5.0  # how long the hello response may wait for room in the socket buffer
 JOIN_WRITE_BYTES = 1 << 20  # frames up to this size are written with one joined buffer
+HELLO_MAX_BYTES = 16 << 10  # largest frame header before the hello (a hello: token <= 1 KiB, names)
+HELLO_STREAM_LIMIT = 64 << 10  # bytes buffered ahead of the reader before the hello (then the full limit)
 _serial = itertools.count(1)  # connection numbers, for logs
 
 
@@ -54,11 +65,20 @@ class Connection:
         tcp: a TCP connection (else a unix socket one).
         idle_timeout_s: silence after which the connection is closed.
         buffers: the daemon's pool of inline payload buffers.
+        hello_timeout_s: time from acceptance to a successful hello, else the connection is closed.
+        budget: the daemon's byte budget for received payloads (shared by every connection).
+        connection_budget_bytes: this connection's own budget for them.
+        stream_limit: the stream's read-ahead once the hello succeeded.
+        on_hello: called once the hello succeeded (the data plane counts unauthenticated
+            connections).
     """
 
     def __init__(self, ctx: DaemonContext, handler: RequestHandler, limits: fr.Limits,
                  reader: FrameStream, writer: asyncio.StreamWriter, *, tcp: bool,
-                 idle_timeout_s: float, socket_requires_token: bool, buffers: PayloadBuffers) -> None:
+                 idle_timeout_s: float, socket_requires_token: bool, buffers: PayloadBuffers,
+                 hello_timeout_s: float = 10.0, budget: ByteBudget | None = None,
+                 connection_budget_bytes: int | None = None, stream_limit: int | None = None,
+                 on_hello: Callable[[], None] | None = None) -> None:
         self.ctx = ctx
         self.auth: Auth = ctx.auth
         self.handler = handler
@@ -68,6 +88,16 @@ class Connection:
         self.buffers = buffers
         self.session = Session(tcp=tcp)
         self.idle_timeout_s = idle_timeout_s
+        self.hello_timeout_s = hello_timeout_s
+        self.budget = budget if budget is not None else ByteBudget(limits.max_payload_len)
+        self.own_budget = ByteBudget(max(connection_budget_bytes or limits.max_payload_len, limits.max_payload_len))
+        self._stream_limit = stream_limit or reader.limit
+        self._on_hello = on_hello
+        # Until the hello: a hello's worth of header, no payload (nothing larger is buffered).
+        self._hello_limits = fr.Limits(max_header_len=min(HELLO_MAX_BYTES, limits.max_header_len),
+                                       max_payload_len=1, max_batch=limits.max_batch,
+                                       max_lease_ms=limits.max_lease_ms, max_inflight=limits.max_inflight)
+        reader.set_limit(min(HELLO_STREAM_LIMIT, self._stream_limit))
         # Over TCP the token is always required when one exists; on the socket when configured.
         self.token_required = self.auth.required and (tcp or socket_requires_token)
         peer = writer.get_extra_info("peername") if tcp else None
@@ -83,7 +113,9 @@ class Connection:
         self._active_at = 0.0  # loop time of the last frame boundary (a frame begun or ended)
         self._in_frame = False  # between a frame's preamble and its last byte
         self._idled = False  # the read loop was cancelled by the idle timeout
+        self._no_hello = False  # the read loop was cancelled by the hello deadline
         self._watchdog: asyncio.TimerHandle | None = None
+        self._hello_timer: asyncio.TimerHandle | None = None
 
     async def serve(self) -> None:
         """Read and answer frames until the end of the connection, then clean up."""
@@ -91,10 +123,13 @@ class Connection:
         loop = asyncio.get_running_loop()
         self._active_at = loop.time()
         self._watchdog = loop.call_at(self._active_at + self.idle_timeout_s, self._check_idle)
+        self._hello_timer = loop.call_at(self._active_at + self.hello_timeout_s, self._check_hello)
         try:
             await self._read_loop()
         except asyncio.CancelledError:
-            if not self._idled:
+            if self._no_hello:
+                log.info("%s: closed, no hello within %.1f s", self.peer, self.hello_timeout_s)
+            elif not self._idled:
                 log.debug("%s: stopped reading (shutdown)", self.peer)
             elif self._in_frame:
                 log.info("%s: closed, stalled %.1f s inside a frame", self.peer, self.idle_timeout_s)
@@ -104,7 +139,17 @@ class Connection:
             self._reading = None
             if self._watchdog is not None:
                 self._watchdog.cancel()
+            if self._hello_timer is not None:
+                self._hello_timer.cancel()
             await self._finish()
+
+    def _check_hello(self) -> None:
+        """The hello deadline: a connection that is still a stranger is closed (its place among
+        the unauthenticated ones is freed for the next client)."""
+        self._hello_timer = None
+        if not self.session.hello_done and self._reading is not None:
+            self._no_hello = True
+            self._reading.cancel()
 
     def _check_idle(self) -> None:
         """The idle timer: close a connection silent for ``idle_timeout_s`` between frames with
@@ -140,7 +185,7 @@ class Connection:
     async def _read_loop(self) -> None:
         while True:
             try:
-                frame = await self._read_frame()
+                frame, charged = await self._read_frame()
             except Truncated:
                 log.info("%s: the stream ended inside a frame", self.peer)
                 return
@@ -155,6 +200,8 @@ class Connection:
                 return
             if not self.session.hello_done:
                 await self._serve_one(frame)  # nothing overlaps the hello and its descriptors
+                if self.session.hello_done:
+                    self._hello_succeeded()
             elif len(self._tasks) >= self.limits.max_inflight:
                 busy = Busy(f"more than {self.limits.max_inflight} requests in flight")
                 self.ctx.metrics.observe_request(_op_label(frame.op), busy.code, 0.0)
@@ -163,30 +210,71 @@ class Connection:
                 task = asyncio.create_task(self._serve_one(frame))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
+                if charged:  # the payload's bytes stay charged while its request may use them
+                    task.add_done_callback(lambda _, n=charged: self._uncharge(n))
+                    charged = 0
             frame = None  # the request owns it now: its payload buffer is reusable once that ends
+            self._uncharge(charged)
 
-    async def _read_frame(self) -> fr.Frame | None:
+    def _hello_succeeded(self) -> None:
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
+            self._hello_timer = None
+        self.reader.set_limit(self._stream_limit)
+        if self._on_hello is not None:
+            on_hello, self._on_hello = self._on_hello, None
+            on_hello()
+
+    async def _charge(self, n: int) -> None:
+        """Charge a payload of ``n`` bytes to this connection's budget and the daemon's, waiting
+        for room (the peer's bytes stay unread meanwhile)."""
+        await self.own_budget.take(n)
+        try:
+            await self.budget.take(n)
+        except BaseException:
+            self.own_budget.give(n)
+            raise
+
+    def _uncharge(self, n: int) -> None:
+        if n:
+            self.budget.give(n)
+            self.own_budget.give(n)
+
+    async def _read_frame(self) -> tuple[fr.Frame | None, int]:
         """The next frame, as :func:`kvtier_protocol.frame_stream.read_frame` reads it (a cancelled wait, by the
-        idle timer or shutdown, consumes nothing before the preamble)."""
+        idle timer or shutdown, consumes nothing before the preamble), and the payload bytes
+        charged to the budgets for it (the caller releases them with :meth:`_uncharge`)."""
         reader = self.reader
         try:
             preamble = await reader.readexactly(fr.PREAMBLE_LEN)
         except asyncio.IncompleteReadError as exc:
             if not exc.partial:
-                return None
+                return None, 0
             raise Truncated("stream ended inside a frame preamble") from exc
         loop = asyncio.get_running_loop()
         self._active_at, self._in_frame = loop.time(), True
-        # Both lengths are checked here, before anything more is read or allocated.
-        header_len, payload_len, has_payload = fr.parse_preamble(preamble, self.limits)
+        # Both lengths are checked here, before anything more is read or allocated; before the
+        # hello against a hello's size, so a stranger's announcement costs nothing.
+        hello_done = self.session.hello_done
+        header_len, payload_len, has_payload = fr.parse_preamble(
+            preamble, self.limits if hello_done else self._hello_limits)
+        if has_payload and not hello_done:
+            raise LimitExceeded("a frame with a payload before hello")
+        charged = payload_len if has_payload else 0
+        if charged:
+            await self._charge(charged)
         try:
             head = await reader.readexactly(header_len)
             body = await read_payload(reader, payload_len, self.buffers) if has_payload else None
+            header = fr.decode_header(head)
         except asyncio.IncompleteReadError as exc:
+            self._uncharge(charged)
             raise Truncated("stream ended inside a frame") from exc
+        except BaseException:
+            self._uncharge(charged)
+            raise
         self._active_at, self._in_frame = loop.time(), False
-        header = fr.decode_header(head)
-        return fr.Frame(header, memoryview(body).toreadonly() if body is not None else None)
+        return fr.Frame(header, memoryview(body).toreadonly() if body is not None else None), charged
 
     # --- one request ---------------------------------------------------------------------------
 

@@ -41,6 +41,7 @@ from kvtier.daemon.server.dataplane import DataPlane
 from kvtier.daemon.server.events import EventHub
 from kvtier.daemon.server.metrics import Metrics
 from kvtier.daemon.server.rest import create_rest_app
+from kvtier.daemon.server.rest_guard import GatedSite, handler_args, rest_connection_cap
 from kvtier.daemon.server.sdnotify import SdNotifier
 from kvtier.daemon.store.config import StoreConfig, StoreConfigError
 from kvtier.daemon.store.owner import private_dir
@@ -179,10 +180,13 @@ class Daemon:
 
     async def _start_rest(self, ctx: DaemonContext, listen: str) -> list[str]:
         host, port = split_hostport(listen)
+        # REST never takes what the data plane needs: capped connections, header and body
+        # deadlines, descriptors kept for the data plane (kvtier.daemon.server.rest_guard).
         self._runner = web.AppRunner(create_rest_app(ctx), access_log=None,
-                                     shutdown_timeout=self.config.drain_timeout_s)
+                                     shutdown_timeout=self.config.drain_timeout_s, **handler_args(self.config))
         await self._runner.setup()
-        await web.TCPSite(self._runner, host, port, shutdown_timeout=self.config.drain_timeout_s).start()
+        await GatedSite(self._runner, host, port, cap=rest_connection_cap(self.config),
+                        shutdown_timeout=self.config.drain_timeout_s).start()
         return [f"http://[{a[0]}]:{a[1]}" if ":" in a[0] else f"http://{a[0]}:{a[1]}"
                 for a in self._runner.addresses]
 

@@ -7,6 +7,13 @@
     stop():   close listeners ─► stop reading ─► drain in-flight (bounded) ─► cancel the rest
               ─► every connection releases its leases and closes ─► socket file removed
 
+Admission: the unix socket and TCP count their connections apart (``max_connections``,
+``max_tcp_connections``), and each may have at most ``max_unauthenticated`` connections that have
+not yet completed their hello (which must come within ``hello_timeout_s``): idle strangers on TCP
+can neither fill the daemon nor keep the unix socket's clients (any tenant's) out. Received
+payloads are charged to one byte budget for the daemon (``max_buffer_bytes``, see
+:mod:`kvtier.daemon.server.connection`).
+
 The socket file is bound under a temporary name, given mode 0600, then linked into place, so it
 is never reachable with looser permissions. A socket file left by a dead daemon is replaced; a
 live one (something accepts on it) or a path that is not a socket is refused.
@@ -27,8 +34,8 @@ from kvtier_protocol import frames as fr
 from kvtier_protocol.errors import Busy, KVTierError, StorageError, Unavailable
 
 from kvtier.daemon.config import UNIX_PATH_MAX, split_hostport
-from kvtier_protocol.buffers import PayloadBuffers
-from kvtier.daemon.server.connection import Connection
+from kvtier_protocol.buffers import ByteBudget, PayloadBuffers
+from kvtier.daemon.server.connection import HELLO_STREAM_LIMIT, Connection
 from kvtier.daemon.server.handlers import RequestHandler
 from kvtier_protocol.frame_stream import FrameStream
 
@@ -59,6 +66,9 @@ class DataPlane:
                                 max_lease_ms=max(1, int(store_cfg.max_lease_seconds * 1000)),
                                 max_inflight=self.cfg.max_inflight)
         self.buffers = PayloadBuffers(PAYLOAD_KEEP_BYTES)
+        self.budget = ByteBudget(self.cfg.max_buffer_bytes)
+        self._open = {False: 0, True: 0}  # connections served, by listener (tcp?)
+        self._strangers = {False: 0, True: 0}  # of which not yet through their hello
         self.handler = RequestHandler(ctx, self.limits, self.buffers)
         self._servers: list[asyncio.Server] = []
         self._closed_servers: list[asyncio.Server] = []
@@ -71,6 +81,11 @@ class DataPlane:
     def num_connections(self) -> int:
         """Connections open now."""
         return len(self._conns)
+
+    @property
+    def num_unauthenticated(self) -> int:
+        """Connections open now that have not completed their hello."""
+        return self._strangers[False] + self._strangers[True]
 
     async def start(self) -> list[str]:
         """Listen on the configured socket and TCP address.
@@ -134,7 +149,7 @@ class DataPlane:
             _bind_private(sock, path)
             self._socket_path, self._socket_ino = path, os.stat(path).st_ino
             server = await asyncio.get_running_loop().create_unix_server(
-                lambda: FrameStream(STREAM_LIMIT, lambda r, w: self._accept(r, w, tcp=False)), sock=sock,
+                lambda: FrameStream(HELLO_STREAM_LIMIT, lambda r, w: self._accept(r, w, tcp=False)), sock=sock,
                 backlog=BACKLOG)
         except OSError as e:
             sock.close()
@@ -148,7 +163,7 @@ class DataPlane:
     async def _start_tcp(self, listen: str) -> str:
         host, port = split_hostport(listen)
         server = await asyncio.get_running_loop().create_server(
-            lambda: FrameStream(STREAM_LIMIT, lambda r, w: self._accept(r, w, tcp=True)), host, port,
+            lambda: FrameStream(HELLO_STREAM_LIMIT, lambda r, w: self._accept(r, w, tcp=True)), host, port,
             backlog=BACKLOG)
         self._servers.append(server)
         name = server.sockets[0].getsockname()
@@ -178,18 +193,38 @@ class DataPlane:
         if self._stopping:
             await _refuse(writer, Unavailable("the daemon is shutting down"))
             return
-        if len(self._conns) >= self.cfg.max_connections:
-            await _refuse(writer, Busy(f"the daemon serves {self.cfg.max_connections} connections at most"))
+        cap = self.cfg.max_tcp_connections if tcp else self.cfg.max_connections
+        if self._open[tcp] >= cap:
+            where = "TCP" if tcp else "unix-socket"
+            await _refuse(writer, Busy(f"the daemon serves {cap} {where} connections at most"))
             return
+        if self._strangers[tcp] >= self.cfg.max_unauthenticated:
+            await _refuse(writer, Busy(f"{self.cfg.max_unauthenticated} connections are waiting for their "
+                                       f"hello already; try again"))
+            return
+        stranger = [True]
+
+        def hello_done() -> None:
+            stranger[0] = False
+            self._strangers[tcp] -= 1
+
         conn = Connection(self.ctx, self.handler, self.limits, reader, writer, tcp=tcp,
                           idle_timeout_s=self.cfg.idle_timeout_s,
-                          socket_requires_token=self.cfg.socket_requires_token, buffers=self.buffers)
+                          socket_requires_token=self.cfg.socket_requires_token, buffers=self.buffers,
+                          hello_timeout_s=self.cfg.hello_timeout_s, budget=self.budget,
+                          connection_budget_bytes=self.cfg.max_connection_buffer_bytes,
+                          stream_limit=STREAM_LIMIT, on_hello=hello_done)
         self._conns[conn] = asyncio.current_task()
+        self._open[tcp] += 1
+        self._strangers[tcp] += 1
         self.ctx.metrics.connections(len(self._conns))
         try:
             await conn.serve()
         finally:
             del self._conns[conn]
+            self._open[tcp] -= 1
+            if stranger[0]:
+                self._strangers[tcp] -= 1
             self.ctx.metrics.connections(len(self._conns))
 
 

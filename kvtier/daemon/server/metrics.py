@@ -9,7 +9,10 @@ of kvtier/daemon/store/stats.py to one metric, so exporting a new store counter 
 
 Every store metric carries a ``tenant`` label: the tenant's name for a tenant's store, ``""``
 for the default store (Prometheus treats an empty label as absent, so queries written before
-tenants existed still select the default store).
+tenants existed still select the default store). Which tenants' series a scrape shows is the
+caller's choice (:meth:`Metrics.render`): the REST ``/metrics`` route shows only the default
+store's to a scrape without a token unless ``rest.public_tenant_metrics`` is set, so tenant names
+and activity are no more public there than in hello or the REST store routes.
 
 GPU memory and utilisation come from NVML (nvidia-ml-py) when a GPU is present; without one (or
 without the driver library) those metrics are simply absent. Nothing here carries a secret: no
@@ -132,12 +135,15 @@ class StoreCollector(Collector):
 
     def __init__(self) -> None:
         self.ctx: DaemonContext | None = None
+        self.tenants: frozenset[str | None] | None = None  # the stores shown (None: the default); None: all
 
     def collect(self) -> Iterator[Metric]:
         ctx = self.ctx
         if ctx is None:
             return
-        stores = [(scope.label, scope.store.counters, scope.store.gauges()) for scope in ctx.scopes()]
+        shown = self.tenants
+        stores = [(scope.label, scope.store.counters, scope.store.gauges()) for scope in ctx.scopes()
+                  if shown is None or scope.tenant in shown]
         for e in STORE_COUNTERS:
             fam = CounterMetricFamily(e.name, e.doc, labels=["tenant"])
             for tenant, counters, _ in stores:
@@ -323,9 +329,19 @@ class Metrics:
         """Set the number of open data-plane connections."""
         self._connections.set(n)
 
-    def render(self) -> tuple[bytes, str]:
-        """The Prometheus text exposition and its content type."""
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+    def render(self, tenants: frozenset[str | None] | None = None) -> tuple[bytes, str]:
+        """The Prometheus text exposition and its content type.
+
+        Args:
+            tenants: the stores whose series are shown (``None`` in it: the default store);
+                None: every store.
+        """
+        # generate_latest collects synchronously: no other scrape can see this choice.
+        self._store.tenants = tenants
+        try:
+            return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        finally:
+            self._store.tenants = None
 
     def close(self) -> None:
         """Release NVML (idempotent)."""

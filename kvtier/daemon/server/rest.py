@@ -11,11 +11,20 @@
 Tenants (:mod:`kvtier.daemon.server.tenancy`): every store route (stats, tiers, namespaces, blocks,
 lookup, delete, clear, check, events) serves one store. A tenant's token selects its own store
 (another tenant's block is a 404 like a missing one); the admin token the default store, or
-``?tenant=NAME``; no token the default store, read-only. A token that is presented must be valid.
+``?tenant=NAME``. A token that is presented must be valid.
+
+Without a token: health, readiness, ``/metrics`` (the default store's series only, unless
+``rest.public_tenant_metrics``) and the OpenAPI document. Reading the store (stats, tiers,
+namespaces, blocks, lookup, events) needs a token unless ``rest.public_reads`` is set; then
+anonymous reads see the default store. The work a request can cause is bounded: bodies of at
+most :data:`MAX_BODY_BYTES` that must arrive within ``rest.body_timeout_s``, lookups of at most
+``MAX_LOOKUP_TOKENS`` token ids, parsed and hashed in a worker thread, :data:`HEAVY_SLOTS` at a
+time (more wait), so the event loop, which also serves the data plane, stays responsive.
+Connections are capped and must send their headers in time (:mod:`kvtier.daemon.server.rest_guard`).
 
 One middleware turns every error into a JSON body ``{"error": {"code", "message"}}`` (the codes
 are the wire codes of kvtier_protocol.errors) and counts each request in the metrics as
-``rest_<route>``. Bodies are capped at :data:`MAX_BODY_BYTES`.
+``rest_<route>``.
 """
 
 from __future__ import annotations
@@ -46,20 +55,22 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 8 << 20
+MAX_BODY_BYTES = 4 << 20  # a lookup of MAX_LOOKUP_TOKENS ids in JSON is ~3 MiB
 HEARTBEAT_S = 15.0
+HEAVY_SLOTS = 1  # lookups parsed and hashed at once (each in a worker thread); more wait their turn
 
 CTX_KEY: web.AppKey[DaemonContext] = web.AppKey("kvtier_ctx")
 HEARTBEAT_KEY = web.AppKey("kvtier_sse_heartbeat_s", float)
 STOPPING_KEY = web.AppKey("kvtier_stopping", asyncio.Event)
 OPENAPI_KEY = web.AppKey("kvtier_openapi", dict)
+HEAVY_KEY = web.AppKey("kvtier_heavy", asyncio.Semaphore)
 
 _STATUS: tuple[tuple[type[KVTierError], int], ...] = (
     (Unauthorized, 401), (NotFound, 404), (NamespaceError, 404), (LimitExceeded, 413),
     (InvalidKey, 400), (InvalidRequest, 400), (ProtocolError, 400), (Busy, 429), (Unavailable, 503),
 )
 """HTTP status of each error class, most specific first; any other KVTierError is a 500."""
-_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "limit_exceeded"}
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 408: "timeout", 413: "limit_exceeded"}
 
 routes = web.RouteTableDef()
 
@@ -133,6 +144,7 @@ def create_rest_app(ctx: DaemonContext, *, heartbeat_s: float = HEARTBEAT_S) -> 
     app[HEARTBEAT_KEY] = heartbeat_s
     app[STOPPING_KEY] = asyncio.Event()
     app[OPENAPI_KEY] = openapi_document(ctx.version)
+    app[HEAVY_KEY] = asyncio.Semaphore(HEAVY_SLOTS)
     app.add_routes(routes)
     app.on_shutdown.append(_end_streams)
     return app
@@ -166,18 +178,36 @@ def _scope(request: web.Request, *, mutating: bool = False) -> Scope:
     """The store (and event hub) the request may reach (see the module docstring).
 
     Raises:
-        Unauthorized: a wrong token; no token for a mutating call or for a tenant.
+        Unauthorized: a wrong token; no token for a mutating call, for a tenant, or for a read
+            unless ``rest.public_reads``.
         NotFound: a tenant that does not exist or that this token may not see.
     """
     principal = _principal(request)
     if mutating and principal is None:
         raise Unauthorized("a valid token is required")
+    if principal is None and not _ctx(request).config.rest.public_reads:
+        raise Unauthorized("reading the store needs a token (or rest.public_reads = true)")
     return rest_scope(_ctx(request), principal, request.query.get("tenant"))
 
 
+async def _raw_body(request: web.Request) -> bytes:
+    """The request's body: at most MAX_BODY_BYTES (413 at once when its length says more, else
+    as soon as more arrives), within ``rest.body_timeout_s`` (408, and the connection closes)."""
+    if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
+        # Refused before a byte of it is read; aiohttp drains what follows for a bounded time
+        # (lingering_time) so an honest client still reads the answer, then closes.
+        raise LimitExceeded(f"request body of {request.content_length} bytes > limit {MAX_BODY_BYTES}")
+    timeout_s = _ctx(request).config.rest.body_timeout_s
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await request.read()  # read() enforces client_max_size (413) as bytes arrive
+    except TimeoutError:
+        request.protocol.force_close()  # the rest of the body may still come: the stream is lost
+        raise web.HTTPRequestTimeout(reason=f"the request body did not arrive within {timeout_s:g} s") from None
+
+
 async def _body(request: web.Request) -> dict[str, Any]:
-    # read() enforces client_max_size (413) before anything is parsed.
-    return views.parse_json_object(await request.read())
+    return views.parse_json_object(await _raw_body(request))
 
 
 # --- liveness and state ---------------------------------------------------------------------------
@@ -297,14 +327,13 @@ async def lookup(request: web.Request) -> web.Response:
     """Hash the token ids with the registered namespace's scheme, then look the keys up."""
     ctx = _ctx(request)
     store = _scope(request).store
-    body = await _body(request)
-    ns_id = views.parse_ns(body.get("ns"))
-    tokens = views.parse_token_ids(body.get("token_ids"))
-    ns = next((n for n in store.namespaces() if n.ns_id == ns_id), None)
-    if ns is None:
-        raise NotFound(f"namespace {ns_id.hex()} is not registered")
-    # Hashing a long prompt takes milliseconds: keep it off the event loop.
-    keys = await asyncio.to_thread(ns.block_keys, tokens)
+    raw = await _raw_body(request)
+    namespaces = {n.ns_id: n for n in store.namespaces()}
+    # Parsing, checking and hashing up to MAX_LOOKUP_TOKENS ids takes a fraction of a second:
+    # in a worker thread, one lookup at a time, so the loop (and the data plane) keeps its pace.
+    async with request.app[HEAVY_KEY]:
+        ns, tokens, keys = await asyncio.to_thread(_lookup_keys, raw, namespaces)
+    ns_id = ns.ns_id
     found = store.lookup(ns_id, keys)
     per_tier: dict[str, int] = {}
     for tier in found.tiers:
@@ -314,6 +343,17 @@ async def lookup(request: web.Request) -> web.Response:
     ctx.metrics.add_lookup_tokens(hit_tokens, len(tokens) - hit_tokens)
     return web.json_response({"hit_tokens": hit_tokens, "num_tokens": len(tokens), "num_blocks": len(keys),
                               "hit_blocks": found.num_hits, "block_tokens": ns.block_tokens, "per_tier": per_tier})
+
+
+def _lookup_keys(raw: bytes, namespaces: dict[bytes, Any]) -> tuple[Any, list[int], list[bytes]]:
+    """The namespace, token ids and block keys of a lookup body (in a worker thread)."""
+    body = views.parse_json_object(raw)
+    ns_id = views.parse_ns(body.get("ns"))
+    tokens = views.parse_token_ids(body.get("token_ids"))
+    ns = namespaces.get(ns_id)
+    if ns is None:
+        raise NotFound(f"namespace {ns_id.hex()} is not registered")
+    return ns, tokens, ns.block_keys(tokens)
 
 
 @routes.get("/v1/tenants", name="tenants")
@@ -368,7 +408,14 @@ async def events(request: web.Request) -> web.StreamResponse:
 
 @routes.get("/metrics", name="metrics")
 async def metrics(request: web.Request) -> web.Response:
-    body, content_type = _ctx(request).metrics.render()
+    """Prometheus metrics; the tenants' series only to their tokens (the admin: all) unless
+    ``rest.public_tenant_metrics``."""
+    ctx = _ctx(request)
+    principal = _principal(request)
+    shown: frozenset[str | None] | None = None
+    if not ctx.config.rest.public_tenant_metrics and not (principal is not None and principal.admin):
+        shown = frozenset({None, principal.tenant}) if principal is not None else frozenset({None})
+    body, content_type = ctx.metrics.render(shown)
     return web.Response(body=body, headers={"Content-Type": content_type})
 
 

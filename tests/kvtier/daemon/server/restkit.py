@@ -82,11 +82,16 @@ async def _put(store: TieredStore, ns: Namespace, keys: list[bytes], parent: byt
 
 
 @asynccontextmanager
-async def open_ctx(tmp_path: Path, *, token: str | None = TOKEN, ready: bool = True,
+async def open_ctx(tmp_path: Path, *, token: str | None = TOKEN, ready: bool = True, public_reads: bool = True,
                    **store_overrides: object) -> AsyncIterator[DaemonContext]:
-    """A started store with :data:`NS` registered, inside a daemon context; closed on exit."""
+    """A started store with :data:`NS` registered, inside a daemon context; closed on exit.
+
+    ``public_reads``: most tests here are about what the store routes answer, so they read
+    without a token (``rest.public_reads``); the default (reads need a token) is tested with False.
+    """
     config = DaemonConfig(store=store_config(tmp_path, **store_overrides),
-                          dataplane=DataPlaneConfig(socket=str(tmp_path / "kvtier.sock")), rest=RestConfig(),
+                          dataplane=DataPlaneConfig(socket=str(tmp_path / "kvtier.sock")),
+                          rest=RestConfig(public_reads=public_reads),
                           events=EventsConfig(), auth=AuthConfig(token=token), data_dir=str(tmp_path))
     store = TieredStore(config.store)
     await store.start()

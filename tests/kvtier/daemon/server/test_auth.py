@@ -67,9 +67,24 @@ def test_configured_token_file_path(tmp_path):
 def test_existing_token_file_is_read_stripped(tmp_path):
     path = tmp_path / "token"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
-    os.write(fd, b"  my-own-token\n")
+    os.write(fd, b"  my-own-token-of-24-chars\n")
     os.close(fd)
-    assert Auth.from_config(AuthConfig(token_file=str(path)), str(tmp_path)).token == "my-own-token"
+    assert Auth.from_config(AuthConfig(token_file=str(path)), str(tmp_path)).token == "my-own-token-of-24-chars"
+
+
+@pytest.mark.parametrize("token", ["x", "fifteen-chars-x"])
+def test_a_short_token_is_refused_from_every_source(tmp_path, token):
+    """One rule (MIN_TOKEN_LEN) for the token file, the inline token and a tenant's token."""
+    path = tmp_path / "token"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    os.write(fd, token.encode() + b"\n")
+    os.close(fd)
+    with pytest.raises(TokenFileError, match="shorter than 16"):
+        Auth.from_config(AuthConfig(token_file=str(path)), str(tmp_path))
+    with pytest.raises(ConfigError, match="at least 16"):
+        AuthConfig(token=token)
+    with pytest.raises(TokenFileError, match="shorter than 16"):
+        Auth("a-long-enough-admin-token", tenants={"alice": token})
 
 
 @pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o620])

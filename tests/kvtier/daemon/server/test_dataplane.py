@@ -266,13 +266,14 @@ async def test_pipelined_requests_are_answered_out_of_order(tmp_path):
 
 
 async def test_max_connections_refuses_with_an_error_frame(tmp_path):
-    async with open_plane(tmp_path, max_connections=1) as p:
-        first = await p.connect(p.unix)
-        extra = await p.connect(p.tcp, hello=False)
-        reply = await extra.recv()
-        assert reply.id == fr.CONNECTION_ERROR_ID and err(reply) == "busy"
-        assert await extra.recv() is None
-        ok(await first.call("ping"))
+    async with open_plane(tmp_path, max_connections=1, max_tcp_connections=1) as p:
+        for endpoint in (p.unix, p.tcp):  # each listener counts its own connections
+            first = await p.connect(endpoint, token=TOKEN if endpoint == p.tcp else None)
+            extra = await p.connect(endpoint, hello=False)
+            reply = await extra.recv()
+            assert reply.id == fr.CONNECTION_ERROR_ID and err(reply) == "busy"
+            assert await extra.recv() is None
+            ok(await first.call("ping"))
 
 
 async def test_idle_connection_is_closed(tmp_path):

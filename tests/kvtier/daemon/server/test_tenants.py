@@ -237,10 +237,9 @@ def test_rest_scopes_every_store_route_to_the_token(daemon: KvtierDaemon, rest: 
     assert http(rest, "DELETE", block, TOKEN_B)[0] == 404
     assert http(rest, "POST", "/v1/clear", TOKEN_B, {"ns": ns_a}) == (200, {"cleared": 0})
     assert http(rest, "POST", "/v1/clear?tenant=alice", TOKEN_B, {"ns": ns_a})[0] == 404
-    # Anonymous: the default store only, never a tenant's; wrong tokens: 401 everywhere.
-    assert all(b["ns"] != ns_a for b in http(rest, "GET", "/v1/blocks?limit=1000")[1]["blocks"])
-    assert http(rest, "GET", block)[0] == 404
-    assert http(rest, "GET", "/v1/blocks?tenant=alice")[0] == 401
+    # Anonymous: no store at all (reads need a token unless rest.public_reads); wrong tokens: 401 everywhere.
+    for path in ("/v1/blocks?limit=1000", block, "/v1/blocks?tenant=alice", "/v1/stats", "/v1/namespaces"):
+        assert http(rest, "GET", path)[0] == 401
     for method, path in (("GET", "/v1/blocks"), ("GET", "/v1/stats"), ("GET", "/v1/tenants"), ("DELETE", block)):
         assert http(rest, method, path, "wrong-token-0123456789")[0] == 401
     # A and the admin see A's blocks.
@@ -312,8 +311,23 @@ def test_events_reach_only_the_tenants_own_streams(daemon: KvtierDaemon, rest: s
 # --- secrets ------------------------------------------------------------------------------------
 
 
+def _metrics(rest: str, token: str | None = None) -> str:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    req = urllib.request.Request(rest + "/metrics", headers=headers)
+    return urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req).read().decode()
+
+
+def test_metrics_show_tenants_only_to_their_tokens(daemon: KvtierDaemon, rest: str, saved_a: list) -> None:
+    """Anonymous /metrics: the default store's series, no tenant name; the admin: all; a tenant: its own."""
+    anonymous, admin, alice = _metrics(rest), _metrics(rest, daemon.token), _metrics(rest, TOKEN_A)
+    assert "kvtier_blocks " in anonymous or 'kvtier_blocks{tenant=""}' in anonymous
+    assert "alice" not in anonymous and "bob" not in anonymous
+    assert 'kvtier_blocks{tenant="alice"}' in admin and 'kvtier_tier_blocks{tenant="bob",tier="host"}' in admin
+    assert 'kvtier_blocks{tenant="alice"}' in alice and "bob" not in alice
+
+
 def test_no_token_in_log_rest_or_metrics(daemon: KvtierDaemon, rest: str, saved_a: list) -> None:
-    metrics = urllib.request.build_opener(urllib.request.ProxyHandler({})).open(rest + "/metrics").read().decode()
+    metrics = _metrics(rest, daemon.token)
     assert 'kvtier_blocks{tenant="alice"}' in metrics and 'kvtier_tier_blocks{tenant="bob",tier="host"}' in metrics
     for status, body in (http(rest, "GET", "/v1/stats", TOKEN_A), http(rest, "GET", "/v1/tenants", daemon.token)):
         assert status == 200

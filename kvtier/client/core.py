@@ -138,6 +138,8 @@ class ClientCore:
             ``$KVTIER_SOCKET``, else the socket ``kvtier serve`` listens on by default.
         options: connection options; or pass their fields as keywords (token, tenant,
             client_name, timeout_s, connect_timeout_s, retries, holddown_s, lease_ms, ...).
+        clock: the monotonic clock ``holddown_s`` is measured on (default ``time.monotonic``; tests
+            pass a clock they advance by hand). Call deadlines always use ``time.monotonic``.
 
     The constructor does not connect: the first call does (see ``connect`` to fail early). On
     :class:`~kvtier.client.AsyncClient` every operation returns an awaitable of what it returns
@@ -146,11 +148,11 @@ class ClientCore:
 
     _conn: Connection | None
 
-    def __init__(self, address: str | Address | None = None, options: ClientOptions | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(self, address: str | Address | None = None, options: ClientOptions | None = None, *,
+                 clock: Callable[[], float] = time.monotonic, **kwargs: Any) -> None:
         self.address = parse_address(default_address() if address is None else address)
         self.options = options if options is not None else ClientOptions(**kwargs)
-        self._holddown = Holddown(self.options.holddown_s)
+        self._holddown = Holddown(self.options.holddown_s, clock=clock)
         self._conn = None
         self._closed = False
         self._late = LateErrors()  # write-behind failures of connections already replaced

@@ -17,7 +17,7 @@ Both drivers loop over :func:`attempts_of` (which checks the hold-down first) an
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,19 +67,24 @@ def remaining_s(deadline: float, what: str) -> float:
 
 @dataclass(slots=True)
 class Holddown:
-    """Remembers that the daemon was unavailable, to fail fast for ``seconds`` afterwards."""
+    """Remembers that the daemon was unavailable, to fail fast for ``seconds`` afterwards.
+
+    ``clock`` is the monotonic clock the hold-down is measured on (a test passes one it advances
+    by hand, so that "within" and "after" the hold-down do not depend on the machine's speed).
+    """
 
     seconds: float
     until: float = 0.0
+    clock: Callable[[], float] = time.monotonic
 
     def check(self, address: object) -> None:
         """Raise Unavailable while the hold-down lasts."""
-        if time.monotonic() < self.until:
+        if self.clock() < self.until:
             raise Unavailable(f"daemon at {address} was unavailable moments ago; not retrying yet")
 
     def trip(self) -> None:
         """Start (or extend) the hold-down."""
-        self.until = time.monotonic() + self.seconds
+        self.until = self.clock() + self.seconds
 
     def reset(self) -> None:
         """The daemon answered: end the hold-down."""

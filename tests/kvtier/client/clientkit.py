@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 from kvtier_protocol.header import BlockHeader, Section, encode_header, payload_checksum
+from tests.kvtier.waitkit import PATIENCE_S
 
 NS_ID = hashlib.sha256(b"client-tests").digest()[:16]
 OTHER_NS_ID = hashlib.sha256(b"client-tests-other").digest()[:16]
@@ -37,12 +41,31 @@ def make_blocks(n: int, size: int, *, ns_id: bytes = NS_ID, tag: bytes = b"") ->
             for i, k in enumerate(keys)]
 
 
-def eventually(condition: Callable[[], bool], timeout_s: float = 5.0) -> bool:
+def eventually(condition: Callable[[], bool], timeout_s: float = PATIENCE_S) -> bool:
     """Poll ``condition`` until it holds or ``timeout_s`` passed; its last value. Releases travel
-    without the client waiting for their answers, so a peer sees them shortly after a call."""
+    without the client waiting for their answers, so a peer sees them shortly after a call (the
+    deadline is generous: a busy machine may take long, a broken client never gets there)."""
     deadline = time.monotonic() + timeout_s
     while not condition():
         if time.monotonic() > deadline:
             return False
         time.sleep(0.005)
     return True
+
+
+@contextmanager
+def short_timeout(client: Any, timeout_s: float = 0.3) -> Iterator[None]:
+    """Calls of ``client`` made inside time out after ``timeout_s``; outside, its own (generous)
+    timeout applies again.
+
+    For calls a test *means* to time out (the peer or daemon is stalled, so no answer can come):
+    they cost a short wait, while the calls around them, which must succeed, keep a timeout no
+    busy machine comes near.
+    """
+    saved = client.options
+    client.options = dataclasses.replace(saved, timeout_s=timeout_s,
+                                         connect_timeout_s=min(saved.connect_timeout_s, timeout_s))
+    try:
+        yield
+    finally:
+        client.options = saved

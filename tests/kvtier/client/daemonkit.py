@@ -59,7 +59,7 @@ class Daemon:
         self.env = {**ENV, "KVTIER_STORE__HOST_NAME_PREFIX": self.shm_prefix,
                     "KVTIER_STORE__HOST_PREFAULT": "0", **(env or {})}
 
-    def start(self, timeout_s: float = 30.0) -> Daemon:
+    def start(self, timeout_s: float = 60.0) -> Daemon:
         args = [*serve_command(), "--data-dir", str(self.dir),
                 *(["--socket", self.socket] if self.socket is not None else []),
                 "--listen", f"127.0.0.1:{self.listen_port}", "--rest", "off", "--host-bytes", "64MiB",

@@ -4,7 +4,7 @@ It speaks kvtier_protocol.frames (requests checked with ``validate_request``, re
 from the typed response classes), hands one memfd segment to unix clients with SCM_RIGHTS, and
 keeps blocks in that segment with a bump allocator. It runs its own event loop in a thread so
 that blocking and asyncio clients can both talk to it. Knobs let tests stall it, delay ops (to
-answer out of order), drop connections and count what clients sent. Not a daemon: the real one
+answer out of order), hold an op's answers until the test opens its gate, drop connections and count what clients sent. Not a daemon: the real one
 is exercised by test_integration.py.
 """
 
@@ -44,6 +44,7 @@ class Peer:
         self.ops: Counter[str] = Counter()  # requests seen, by op
         self.arrivals: list[str] = []  # ops of the requests after hello, in the order they were read
         self.delays: dict[str, float] = {}  # op -> seconds to wait before answering
+        self.gates: dict[str, threading.Event] = {}  # op -> answered only once the test sets it
         self.stalled = threading.Event()  # set: requests after hello are never answered
         self.drop_on: set[str] = set()  # ops whose next request aborts the connection unanswered
         self.last: dict[str, Any] = {}  # the last valid request of each op
@@ -163,6 +164,9 @@ class Peer:
         self.most_inflight = max(self.most_inflight, self.inflight)
         try:
             await asyncio.sleep(self.delays.get(op, 0))
+            gate = self.gates.get(op)
+            while gate is not None and not gate.is_set():
+                await asyncio.sleep(0.005)
         finally:
             self.inflight -= 1
         try:

@@ -394,10 +394,16 @@ def others_ran_during(copy, dst, src):
     sys.setswitchinterval(30.0)
     t = threading.Thread(target=count)
     t.start()
-    time.sleep(0.05)  # the thread runs: counting, yielding
+    while not counted[0]:  # the thread runs: counting, yielding
+        time.sleep(0.001)
     before = counted[0]
-    for _ in range(8):
+    # Copy until the other thread ran (between two copies this thread holds the GIL, so what the
+    # count shows happened during a copy): a busy machine may schedule it late, never not at all.
+    # The bound keeps the control, which never lets it run, well within the switch interval.
+    for _ in range(64):
         copy(dst, src)
+        if counted[0] > before:
+            break
     ran = counted[0] > before
     stop.set()
     t.join(5)

@@ -5,7 +5,6 @@ dies in the middle of one (the real daemon, killed at a chosen step of the flow)
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable, Generator
 from typing import Any
 
@@ -17,11 +16,12 @@ from kvtier.client.load import load_flow
 from kvtier.client.save import save_flow
 from kvtier.client.steps import Call
 from kvtier.client.records import prepare_records
-from kvtier_protocol.errors import ChecksumMismatch, Unavailable
+from kvtier_protocol.errors import ChecksumMismatch
 from kvtier_protocol.frames import Limits
 from tests.kvtier.client.clientkit import NS_ID, eventually, key, make_blocks, make_record
 from tests.kvtier.client.peer import Peer
 from tests.kvtier.conftest import KvtierDaemon
+from tests.kvtier.waitkit import wait_until_async
 
 KiB, MiB = 1 << 10, 1 << 20
 BLOCK = 256 * KiB
@@ -32,14 +32,16 @@ PIPE = 1 * MiB  # sub-batches of four 256 KiB blocks
 
 def _save_load(address: str, blocks: list[tuple[bytes, bytes]], driver: str,
                pipeline_bytes: int = PIPE, grant_bytes: int = 0) -> tuple[list[str], list[bytes]]:
-    """One save (reserve/commit: no granted slots unless ``grant_bytes``), then one load."""
+    """One save (reserve/commit: no granted slots unless ``grant_bytes``), then one load (calls that
+    must succeed: a timeout no busy machine comes near)."""
     keys = [k for k, _ in blocks]
     if driver == "sync":
-        with Client(address, pipeline_bytes=pipeline_bytes, grant_bytes=grant_bytes) as kv:
+        with Client(address, timeout_s=60.0, pipeline_bytes=pipeline_bytes, grant_bytes=grant_bytes) as kv:
             return kv.save(NS_ID, blocks), kv.load(NS_ID, keys, degrade=False)
 
     async def run() -> tuple[list[str], list[bytes]]:
-        async with AsyncClient(address, pipeline_bytes=pipeline_bytes, grant_bytes=grant_bytes) as kv:
+        async with AsyncClient(address, timeout_s=60.0, pipeline_bytes=pipeline_bytes,
+                               grant_bytes=grant_bytes) as kv:
             return await kv.save(NS_ID, blocks), await kv.load(NS_ID, keys, degrade=False)
     return asyncio.run(run())
 
@@ -94,7 +96,6 @@ def test_a_connection_lost_mid_save_is_not_retried_and_mid_load_is(peer: Peer,
         _save_load(peer.unix_path, blocks, driver)
     assert peer.ops["commit"] == 1, "a save whose commit was sent is never sent again"
     peer.drop_on.add("release")  # the first release of the load: the next acquire is in flight
-    time.sleep(1.1)  # the client's hold-down after a lost connection
     saved, loaded = _save_load(peer.unix_path, blocks, driver)
     assert saved == ["stored"] * 12 and loaded == [r for _, r in blocks], "the load was tried again"
 
@@ -118,8 +119,7 @@ def test_a_corrupt_block_ends_a_pipelined_load_and_the_acquire_ahead_is_released
         async def run() -> None:
             async with AsyncClient(peer.unix_path, pipeline_bytes=PIPE) as kv:
                 assert await kv.load(NS_ID, keys) == [r for _, r in blocks[:5]]
-                await asyncio.sleep(0.1)
-                assert not peer.leases
+                await wait_until_async(lambda: not peer.leases, what="the acquire ahead being released")
         asyncio.run(run())
     assert peer.ops["acquire"] == 3 and peer.ops["release"] == 3
 
@@ -186,7 +186,7 @@ def test_a_daemon_killed_mid_save_is_a_typed_error_and_mid_load_a_miss(kvtier_da
     records = _records(24, driver.encode())
     keys = [r.key for r in records]
     kill = _killer(kvtier_daemon)
-    with Client(kvtier_daemon.address, timeout_s=3.0, pipeline_bytes=PIPE) as kv:
+    with Client(kvtier_daemon.address, timeout_s=60.0, pipeline_bytes=PIPE) as kv:
         assert kv.save(NS_ID, [(r.key, bytes(r.record)) for r in records[:8]]) == ["stored"] * 8
 
     def save(s: Any) -> Any:  # killed before the second commit is sent: the first and reserve 3 in flight
@@ -195,11 +195,12 @@ def test_a_daemon_killed_mid_save_is_a_typed_error_and_mid_load_a_miss(kvtier_da
     def load(s: Any) -> Any:  # killed before the second acquire is sent
         return _kill_at(load_flow(s, NS_ID, keys), "acquire", 2, kill)
 
-    started = time.monotonic()
+    # The calls that must succeed get a timeout no busy machine comes near; the killed daemon's
+    # calls fail because their connection died (ConnectionLost), never by waiting it out.
     if driver == "sync":
-        with Client(kvtier_daemon.address, timeout_s=3.0, pipeline_bytes=PIPE) as kv:
+        with Client(kvtier_daemon.address, timeout_s=60.0, pipeline_bytes=PIPE) as kv:
             assert len(kv.load(NS_ID, keys[:8])) == 8
-            with pytest.raises(Unavailable):
+            with pytest.raises(ConnectionLost):
                 kv._run(Job(lambda: save, idempotent=False))
             kvtier_daemon.restart()
             assert len(kv.load(NS_ID, keys, degrade=False)) == 0  # a fresh daemon: memory is gone
@@ -207,13 +208,12 @@ def test_a_daemon_killed_mid_save_is_a_typed_error_and_mid_load_a_miss(kvtier_da
             assert kv._run(Job(lambda: load, idempotent=True, degrade=True, fallback=[])) == []
     else:
         async def run() -> None:
-            async with AsyncClient(kvtier_daemon.address, timeout_s=3.0, pipeline_bytes=PIPE) as kv:
+            async with AsyncClient(kvtier_daemon.address, timeout_s=60.0, pipeline_bytes=PIPE) as kv:
                 assert len(await kv.load(NS_ID, keys[:8])) == 8
-                with pytest.raises(Unavailable):
+                with pytest.raises(ConnectionLost):
                     await kv._run(Job(lambda: save, idempotent=False))
                 kvtier_daemon.restart()
                 assert len(await kv.load(NS_ID, keys, degrade=False)) == 0
                 assert await kv.save(NS_ID, [(r.key, bytes(r.record)) for r in records[:8]]) == ["stored"] * 8
                 assert await kv._run(Job(lambda: load, idempotent=True, degrade=True, fallback=[])) == []
         asyncio.run(run())
-    assert time.monotonic() - started < 30, "no call waited past its bounded timeout"

@@ -10,6 +10,7 @@ from kvtier.client import ClientOptions, ConnectionLost, TimedOut
 from kvtier.client.errors import Unreachable
 from kvtier.client.retry import Holddown, attempts, backoff_s, retriable, trips_holddown
 from kvtier_protocol.errors import Busy, InvalidRequest, LeaseError, Unavailable
+from tests.kvtier.waitkit import ManualClock
 
 
 def test_attempts() -> None:
@@ -39,12 +40,16 @@ def test_backoff_stays_within_the_deadline() -> None:
 
 
 def test_holddown() -> None:
-    h = Holddown(0.05)
+    clock = ManualClock()
+    h = Holddown(0.5, clock=clock)
     h.check("addr")
     h.trip()
     with pytest.raises(Unavailable):
         h.check("addr")
-    time.sleep(0.06)
+    clock.advance(0.25)
+    with pytest.raises(Unavailable):
+        h.check("addr")  # still within
+    clock.advance(0.25)  # over: exactly ``seconds`` after the trip
     h.check("addr")
     h.trip()
     h.reset()

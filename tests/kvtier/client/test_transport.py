@@ -14,15 +14,17 @@ from kvtier_protocol.errors import FrameError, InvalidRequest, LeaseError, Limit
 from kvtier_protocol.frames import Limits
 from tests.kvtier.client.clientkit import NS_ID, key, make_blocks
 from tests.kvtier.client.peer import Peer
+from tests.kvtier.waitkit import PATIENCE_S
 
 
 def opened(address: str, **options: object) -> BlockingConnection:
     return BlockingConnection.open(parse_address(address), ClientOptions(**options),  # type: ignore[arg-type]
-                                   time.monotonic() + 5)
+                                   time.monotonic() + PATIENCE_S)
 
 
 def deadline() -> float:
-    return time.monotonic() + 5
+    """The deadline of a call that must succeed: one no busy machine comes near."""
+    return time.monotonic() + PATIENCE_S
 
 
 def test_hello_maps_segments_on_unix_only(peer: Peer) -> None:
@@ -71,7 +73,8 @@ def test_silence_and_hangups(peer: Peer) -> None:
     start = time.monotonic()
     with pytest.raises(TimedOut):
         conn.call(Call("ping"), time.monotonic() + 0.2)
-    assert 0.2 <= time.monotonic() - start < 1 and conn.closed
+    # it waited out its deadline (a lower bound no slow machine can break), then gave the connection up
+    assert time.monotonic() - start >= 0.2 and conn.closed
     peer.stalled.clear()
     conn = opened(peer.unix_path)
     peer.drop_connections()

@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 SHARDS = 256  # directories: keeps each small at millions of blocks
 Payload = bytes | bytearray | memoryview
 _HEX = frozenset("0123456789abcdef")
-FREE_LIST = "free-ids"  # in the data directory: the free files at the last clean close
+FREE_LIST = "free-ids"  # beside the data directory (which holds shards only): the free files at the last clean close
 _FREE_MAGIC = b"KVTFREE1"
 
 
@@ -122,7 +122,7 @@ class BlockFiles:
         ids = sorted(self.free_ids())
         body = _FREE_MAGIC + len(ids).to_bytes(8, "little") + b"".join(i.to_bytes(8, "little") for i in ids)
         body += xxhash.xxh3_64_intdigest(body).to_bytes(8, "little")
-        path = os.path.join(self.root, FREE_LIST)
+        path = os.path.join(os.path.dirname(self.root), FREE_LIST)
         tmp = path + ".tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE)
         try:
@@ -135,7 +135,7 @@ class BlockFiles:
     def take_free_list(self) -> set[int] | None:
         """The ids :meth:`save_free_list` recorded, and remove the record (it describes only the
         close it was written at: after a crash there is none). None: no valid record."""
-        path = os.path.join(self.root, FREE_LIST)
+        path = os.path.join(os.path.dirname(self.root), FREE_LIST)
         try:
             with open(path, "rb") as f:
                 body = f.read()

@@ -158,7 +158,7 @@ def test_files_without_meta_are_free_at_open_and_strays_removed(tmp_path: Path) 
         f.write_bytes(b"partial")
     crashed = shard.parent / "00" / "0000000000000100"  # written whole, then a crash before its meta commit
     crashed.write_bytes(Path(freed).read_bytes())
-    (path / "data" / "free-ids").unlink()  # a crash leaves no free list (a clean close does)
+    (path / "free-ids").unlink()  # a crash leaves no free list (a clean close does)
     with DiskTier(path, 1 << 30) as d:
         assert d.repair is None, "after a crash, files no entry lists are free, not lost entries"
         assert not partial.exists() and not other.exists()

@@ -84,10 +84,10 @@ def test_damaged_metadata_is_moved_aside_and_rebuilt_from_the_block_files(tmp_pa
 def test_a_clean_tier_is_not_rebuilt_and_keeps_its_free_files_free(tmp_path: Path) -> None:
     tier = tmp_path / "disk"
     recs = _fill(tier)
-    assert (tier / "data" / "free-ids").exists()
+    assert (tier / "free-ids").exists()
     with DiskTier(tier, 1 << 30) as d:
         assert d.repair is None and d.num_records == len(recs)
-        assert not (tier / "data" / "free-ids").exists(), "the free list describes one close only"
+        assert not (tier / "free-ids").exists(), "the free list describes one close only"
         assert d.free_files()[0] == 10
     assert not list(tier.glob("meta.damaged-*"))
 

@@ -16,6 +16,7 @@ from kvtier.connector.pages import gather_block
 from kvtier_protocol.errors import InvalidRequest
 from tests.kvtier.conftest import KvtierDaemon
 from tests.kvtier.connector.connkit import make_caches, make_ns, tokens
+from tests.kvtier.waitkit import PATIENCE_S
 
 
 @pytest.fixture
@@ -25,7 +26,7 @@ def runner() -> Iterator[JobRunner]:
     r.close()
 
 
-def poll_until(poll, count: int, timeout_s: float = 10.0) -> list[JobResult]:
+def poll_until(poll, count: int, timeout_s: float = PATIENCE_S) -> list[JobResult]:
     """Poll without blocking until ``count`` results came back."""
     results: list[JobResult] = []
     deadline = time.monotonic() + timeout_s
@@ -55,13 +56,12 @@ def test_jobs_run_in_order_and_are_reported_once(runner: JobRunner) -> None:
 
 def test_poll_never_blocks_and_wait_times_out(runner: JobRunner) -> None:
     gate = threading.Event()
-    job = runner.submit(lambda j: JobResult(j, gate.wait(10), 1))
-    t0 = time.monotonic()
-    assert runner.poll() == [] and time.monotonic() - t0 < 0.1
+    job = runner.submit(lambda j: JobResult(j, gate.wait(PATIENCE_S), 1))
+    assert runner.poll() == []  # the job is held by the gate: a poll that waited would return it
     with pytest.raises(TimeoutError):
-        runner.wait(job, timeout_s=0.05)
+        runner.wait(job, timeout_s=0.05)  # held by the gate: no wait can end otherwise
     gate.set()
-    assert runner.wait(job, timeout_s=5) == JobResult(job, True, 1)
+    assert runner.wait(job, timeout_s=PATIENCE_S) == JobResult(job, True, 1)
 
 
 def test_a_failing_job_is_reported_not_raised(runner: JobRunner) -> None:
@@ -84,7 +84,7 @@ def test_a_closed_runner_takes_no_jobs() -> None:
 def test_async_save_and_load_complete_and_poll_reports_them(kvtier_daemon_module: KvtierDaemon) -> None:
     ns = make_ns("mha", kv_dtype="bfloat16")
     src, dst = make_caches(ns, "vllm-nhc", seed=1), make_caches(ns, "vllm-nhc", seed=None)
-    with KVConnectorCore(ns, address=kvtier_daemon_module.address, page_layout="vllm-nhc", timeout_s=1.0) as core:
+    with KVConnectorCore(ns, address=kvtier_daemon_module.address, page_layout="vllm-nhc", timeout_s=60.0) as core:
         core.bind_kv_caches(src)
         prompt = tokens(4 * ns.block_tokens, seed=3)
         hashes = core.block_hashes(prompt)
@@ -92,15 +92,15 @@ def test_async_save_and_load_complete_and_poll_reports_them(kvtier_daemon_module
         save = core.submit_save(hashes, [0, 1, 2, 3], token_ids=prompt)
         for c in src:  # the pages were copied at submit: the engine may reuse them at once
             c.zero_()
-        assert core.wait(save, timeout_s=10) == JobResult(save, True, 4)
-        assert core.wait(core.submit_save(hashes, [0, 1, 2, 3]), timeout_s=10) == JobResult(save + 1, True, 0)
+        assert core.wait(save, timeout_s=PATIENCE_S) == JobResult(save, True, 4)
+        assert core.wait(core.submit_save(hashes, [0, 1, 2, 3]), timeout_s=PATIENCE_S) == JobResult(save + 1, True, 0)
         core.bind_kv_caches(dst)
         jobs = [core.submit_load(hashes[:2], [7, 6]), core.submit_load(hashes, [0, 1, 2, 3])]
         results = poll_until(core.poll, 2)
         assert results == [JobResult(jobs[0], True, 2), JobResult(jobs[1], True, 4)]
         for p, want in zip((0, 1, 2, 3), original):
             assert torch.equal(gather_block(dst, p, core.page_layout), want)
-        miss = core.wait(core.submit_load([*hashes[:1], bytes(32)], [4, 5]), timeout_s=10)
+        miss = core.wait(core.submit_load([*hashes[:1], bytes(32)], [4, 5]), timeout_s=PATIENCE_S)
         assert (miss.ok, miss.num_blocks, miss.error) == (False, 1, "miss at block 1 of 2")
         with pytest.raises(InvalidRequest, match="page ids"):
             core.submit_load(hashes, [0])
@@ -108,11 +108,11 @@ def test_async_save_and_load_complete_and_poll_reports_them(kvtier_daemon_module
 
 def test_async_jobs_against_a_stopped_daemon_report_the_outage(kvtier_daemon: KvtierDaemon) -> None:
     ns = make_ns("mla")
-    with KVConnectorCore(ns, address=kvtier_daemon.address, page_layout="mla-latent", timeout_s=1.0) as core:
+    with KVConnectorCore(ns, address=kvtier_daemon.address, page_layout="mla-latent", timeout_s=60.0) as core:
         core.bind_kv_caches(make_caches(ns, "mla-latent", seed=2))
         hashes = core.block_hashes(tokens(2 * ns.block_tokens, seed=4))
         kvtier_daemon.stop()
         jobs = [core.submit_save(hashes, [0, 1]), core.submit_load(hashes, [2, 3])]
-        results = poll_until(core.poll, 2, timeout_s=5)
+        results = poll_until(core.poll, 2)
         assert [(r.job, r.ok, r.num_blocks) for r in results] == [(jobs[0], False, 0), (jobs[1], False, 0)]
         assert all(r.error is not None and r.error.startswith("daemon unavailable") for r in results)

@@ -47,7 +47,7 @@ def cores(kvtier_daemon_module: KvtierDaemon) -> Iterator[list[KVConnectorCore]]
 
 def engine(cores: list, d: KvtierDaemon, ns: Namespace, layout: str = "vllm-flash", *,
            seed: int | None = None) -> tuple[KVConnectorCore, list[torch.Tensor]]:
-    core = KVConnectorCore(ns, address=d.address, page_layout=layout, timeout_s=5.0)
+    core = KVConnectorCore(ns, address=d.address, page_layout=layout, timeout_s=60.0)
     cores.append(core)
     caches = make_caches(ns, layout, num_pages=6, seed=seed)
     core.bind_kv_caches(caches)

@@ -8,6 +8,12 @@ paged KV cache and the kvtier daemon (docs/design.md §4).
     lookup(hashes)       ───►  one lookup ────────────────────────────►  leading hits
     load(hashes, pages)  ───►  load (shm) → decode_block(layout) → scatter into pages
     save(hashes, pages)  ───►  lookup (skip stored) → gather pages → encode_block → save (shm)
+    start_load(...)      ───►  the same load, its pages placed layer by layer (LayerLoad.wait_layer)
+    start_save(...)      ───►  the same save, fed layer by layer (LayerSave.layer_done)
+
+Layer-wise transfers (:mod:`kvtier.connector.layerwise`) overlap the copies with the engine's
+compute; their copies run on the streams of :mod:`kvtier.connector.streams` (dedicated CUDA
+streams ordered by events on a GPU, synchronous on a host).
 
 A daemon that is down, silent or restarting never fails the engine: within ``timeout_s`` lookup
 answers 0, load stops (the engine recomputes the rest) and save stores nothing; the client
@@ -18,7 +24,8 @@ every decoded block must have the namespace's geometry and dtype.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -34,8 +41,10 @@ from kvtier.client.records import check_hashes
 from kvtier_protocol.address import default_address
 from kvtier.connector.blocks import expected_shape, kv_dtype, token_info
 from kvtier.connector.jobs import JobResult, JobRunner
+from kvtier.connector.layerwise import LayerLoad, LayerSave, run_load
 from kvtier.connector.pages import check_caches, gather_blocks, get_page_layout, host_views, page_index
 from kvtier.connector.stats import ConnectorStats
+from kvtier.connector.streams import Event, Staging, Streams, streams_for
 from kvtier.connector.transfer import Outcome, Transfer
 
 
@@ -60,6 +69,8 @@ class KVConnectorCore:
         page_layout: the engine's page layout, a key of :data:`kvtier.connector.pages.PAGE_LAYOUTS`.
         timeout_s: bound on each daemon call, reconnects and retries included.
         token: the daemon's token (TCP).
+        streams: the streams of layer-wise copies; None: chosen from the bound caches' device
+            (:func:`kvtier.connector.streams.streams_for`).
 
     Raises:
         LayoutError: the page layout does not fit the namespace.
@@ -68,7 +79,7 @@ class KVConnectorCore:
 
     def __init__(self, ns: Namespace, *, address: str | None = None, client: Client | None = None,
                  codec: str | None = None, page_layout: str = "vllm-flash", timeout_s: float = 2.0,
-                 token: str | None = None) -> None:
+                 token: str | None = None, streams: Streams | None = None) -> None:
         if codec is not None and codec != ns.kv_codec:
             ns = dataclasses.replace(ns, kv_codec=codec)
         self.ns = ns
@@ -93,6 +104,14 @@ class KVConnectorCore:
         self._views: list[np.ndarray] | None = None  # byte views of CPU caches, for raw records
         self._num_pages = 0
         self._jobs = JobRunner(1)
+        # Layer-wise loads are on the engine's critical path: a thread of their own (never queued
+        # behind a background save) and the engine's client (whose calls are serialized).
+        self._load_jobs = JobRunner(1, name="kvtier-layer-load")
+        self._given_streams = streams
+        self.streams: Streams = streams if streams is not None else streams_for("cpu")
+        self._staging = Staging(pinned=self.streams.on_cuda)
+        self._reads: list[Event] = []  # saves' "pages read" events the compute has not waited for
+        self._reads_lock = threading.Lock()
 
     # -- engine side ---------------------------------------------------------------------------
 
@@ -104,6 +123,9 @@ class KVConnectorCore:
         """
         caches = list(caches)
         self._num_pages = check_caches(caches, self.page_layout, self.ns)
+        if self._given_streams is None and (self._caches is None or self._caches[0].device != caches[0].device):
+            self.streams = streams_for(caches[0].device)
+            self._staging = Staging(pinned=self.streams.on_cuda)
         self._caches = caches
         self._views = host_views(caches)
 
@@ -150,6 +172,72 @@ class KVConnectorCore:
         check_priority(priority)
         return self._transfer.put(keys, lambda lo, hi: gather_blocks(caches, index[lo:hi], self.page_layout),
                                   self.page_layout.block_layout, token_ids, parent, priority)[0]
+
+    # -- layer-wise ----------------------------------------------------------------------------------
+
+    def start_load(self, hashes: Sequence[bytes], page_ids: Sequence[int]) -> LayerLoad:
+        """:meth:`load`, consumed layer by layer: the records are fetched and verified on the
+        connector's load thread, then placed one layer at a time (see :class:`LayerLoad`).
+
+        Call from the engine's thread (the load is ordered after the compute queued so far). The
+        engine must not read the pages of layer ``i`` before :meth:`LayerLoad.wait_layer` (``i``).
+
+        Raises:
+            InvalidRequest: no caches bound, lengths differ, a page id out of range or repeated.
+        """
+        keys, index = check_hashes(hashes), self._index(hashes, page_ids)
+        caches, views = self._bound(), self._views
+        load = LayerLoad(len(caches), len(keys))
+        with self._reads_lock:
+            after = [self.streams.compute.record_event(), *self._reads]
+        streams, staging = self.streams, self._staging
+        self._load_jobs.submit(lambda job: run_load(load, self._transfer, keys, caches, views, index, self.page_layout,
+                                                    self.block_shape, streams, staging, after) or JobResult(job, True, 0))
+        return load
+
+    def start_save(self, hashes: Sequence[bytes], page_ids: Sequence[int], *,
+                   token_ids: Sequence[int] | None = None, parent: bytes | None = None,
+                   priority: int = 0) -> LayerSave:
+        """:meth:`submit_save`, fed layer by layer: call :meth:`LayerSave.layer_done` (``i``) once
+        layer ``i`` of the pages is written (queued on the compute stream); after the last layer
+        the blocks are stored on the job thread (:attr:`LayerSave.job`).
+
+        The engine must not write the pages again before :meth:`release_pages`.
+
+        Raises:
+            InvalidRequest: no caches bound, lengths differ, bad page ids, too few token ids, a
+                bad priority.
+        """
+        keys, index, caches = check_hashes(hashes), self._index(hashes, page_ids), self._bound()
+        check_priority(priority)
+        token_info(self.ns, keys, token_ids, parent)  # raise too-few-tokens now, not in the worker
+        tokens = None if token_ids is None else list(token_ids)
+        layout = self.page_layout.block_layout
+
+        def store(blocks: torch.Tensor, read: Event, done: Callable[[], None]) -> int:
+            def work(job: int) -> JobResult:
+                try:
+                    read.synchronize()  # every layer's copy to staging has ended
+                    stored, error = self._job_transfer.put(keys, lambda lo, hi: blocks[lo:hi], layout, tokens,
+                                                           parent, priority)
+                finally:
+                    done()
+                return JobResult(job, error is None, stored, error)
+            return self._jobs.submit(work)
+
+        def on_read(event: Event) -> None:
+            with self._reads_lock:
+                self._reads.append(event)
+
+        return LayerSave(keys, caches, index, self.page_layout, self.streams, self._staging, store, on_read)
+
+    def release_pages(self) -> None:
+        """Order the engine's compute after every layer-wise save's reads of its pages: call before
+        the engine writes pages again (a GPU-side wait on CUDA; nothing to wait for on a host)."""
+        with self._reads_lock:
+            reads, self._reads = self._reads, []
+        for event in reads:
+            self.streams.compute.wait_event(event)
 
     # -- tensors (engines without pages, e.g. HF transformers) ---------------------------------
 
@@ -247,6 +335,7 @@ class KVConnectorCore:
 
     def close(self) -> None:
         """Finish the running job, drop queued ones, and close the client if this core made it."""
+        self._load_jobs.close(wait=True)
         self._jobs.close(wait=True)
         if self._owns_client:
             self.client.close()

@@ -216,8 +216,11 @@ class Transfer:
         self.stats.add(saved_blocks=stored, skipped_blocks=skipped)
         return stored, error
 
-    def _records(self, hashes: list[bytes]) -> tuple[list[bytes], str | None]:
+    def records(self, hashes: list[bytes]) -> tuple[list[bytes], str | None]:
         """The stored prefix of ``hashes`` as verified records; ``[]`` and why, if the call failed."""
+        return self._records(hashes)
+
+    def _records(self, hashes: list[bytes]) -> tuple[list[bytes], str | None]:
         try:
             records = self.client.load(self.ns.ns_id, hashes, degrade=False)
         except KVTierError as exc:

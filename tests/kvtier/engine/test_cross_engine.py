@@ -32,6 +32,7 @@ TINY = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_la
                    num_kv_heads=2, head_dim=16, rope_theta=10000.0, max_position_embeddings=512)
 REL = 1e-4
 PAGES = 64
+TIMEOUT_S = 60.0  # daemon calls must succeed here: a bound no busy machine comes near
 
 
 @pytest.fixture(scope="module")
@@ -64,11 +65,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def test_engine_saves_hf_loads(checkpoint: Path, hf_model, kvtier_daemon) -> None:
     ids = _prompt(90, seed=11)
-    with Engine(checkpoint, kvtier_address=kvtier_daemon.address, num_pages=PAGES) as engine:
+    with Engine(checkpoint, kvtier_address=kvtier_daemon.address, timeout_s=TIMEOUT_S, num_pages=PAGES) as engine:
         engine.generate([ids], SamplingParams(max_tokens=1))
         assert engine.stats.saved_blocks == 5  # 80 of 90 tokens are full blocks
     ns = namespace_for_checkpoint(checkpoint, kv_dtype=torch.float32)
-    with KVConnectorCore(ns, address=kvtier_daemon.address) as core:
+    with KVConnectorCore(ns, address=kvtier_daemon.address, timeout_s=TIMEOUT_S) as core:
         cache, n = load_prefix(core, ids, dtype=torch.float32, config=hf_model.config)
     assert n == 80 and cache is not None
     want_logits, want_cache = _hf(hf_model, ids)
@@ -82,11 +83,11 @@ def test_engine_saves_hf_loads(checkpoint: Path, hf_model, kvtier_daemon) -> Non
 def test_hf_saves_engine_loads(checkpoint: Path, hf_model, kvtier_daemon) -> None:
     ids = _prompt(70, seed=12)
     ns = namespace_for_checkpoint(checkpoint, kv_dtype=torch.float32)
-    with KVConnectorCore(ns, address=kvtier_daemon.address) as core:
+    with KVConnectorCore(ns, address=kvtier_daemon.address, timeout_s=TIMEOUT_S) as core:
         assert save_prefix(core, ids, _hf(hf_model, ids)[1]) == 4
     with Engine(checkpoint, num_pages=PAGES) as alone:
         recompute = alone.generate([ids], SamplingParams(max_tokens=8))[0]
-    with Engine(checkpoint, kvtier_address=kvtier_daemon.address, num_pages=PAGES) as engine:
+    with Engine(checkpoint, kvtier_address=kvtier_daemon.address, timeout_s=TIMEOUT_S, num_pages=PAGES) as engine:
         hit = engine.generate([ids], SamplingParams(max_tokens=8))[0]
         assert engine.stats.saved_blocks == 0  # nothing new: HF stored every full block
     assert hit.loaded_tokens == 64 and recompute.loaded_tokens == 0
@@ -121,11 +122,12 @@ def test_every_full_block_crosses_at_any_block_size(block_tokens: int, checkpoin
 
     # The engine stores; HF loads every full block, bit-for-bit the engine's K/V.
     ids = _prompt(197, seed=100 + block_tokens)
-    with Engine(checkpoint, kvtier_address=address, num_pages=PAGES, block_tokens=block_tokens) as engine:
+    with Engine(checkpoint, kvtier_address=address, timeout_s=TIMEOUT_S, num_pages=PAGES, block_tokens=block_tokens) as engine:
         engine.generate([ids], SamplingParams(max_tokens=1))
         assert engine.stats.saved_blocks == full
         stored = _engine_kv(engine, ids)
-    with HFPrefixCache.for_model(hf_model, checkpoint, address=address, block_tokens=block_tokens) as kv:
+    with HFPrefixCache.for_model(hf_model, checkpoint, address=address, block_tokens=block_tokens,
+                                 timeout_s=TIMEOUT_S) as kv:
         cache, loaded = kv.load(ids)
         assert loaded == n and cache is not None
         _assert_same_kv(cache, stored, n)
@@ -135,12 +137,13 @@ def test_every_full_block_crosses_at_any_block_size(block_tokens: int, checkpoin
 
     # And back: HF stores; the engine loads every full block, bit-for-bit HF's K/V.
     ids = _prompt(197, seed=200 + block_tokens)
-    with HFPrefixCache.for_model(hf_model, checkpoint, address=address, block_tokens=block_tokens) as kv:
+    with HFPrefixCache.for_model(hf_model, checkpoint, address=address, block_tokens=block_tokens,
+                                 timeout_s=TIMEOUT_S) as kv:
         out = kv.prefill(ids, logits_to_keep=1)
         assert (out.reused_tokens, out.saved_blocks) == (0, full)
     with Engine(checkpoint, num_pages=PAGES, block_tokens=block_tokens) as alone:
         recompute = alone.generate([ids], SamplingParams(max_tokens=1))[0]
-    with Engine(checkpoint, kvtier_address=address, num_pages=PAGES, block_tokens=block_tokens) as engine:
+    with Engine(checkpoint, kvtier_address=address, timeout_s=TIMEOUT_S, num_pages=PAGES, block_tokens=block_tokens) as engine:
         hit = engine.generate([ids], SamplingParams(max_tokens=1))[0]
         assert hit.loaded_tokens == n and engine.stats.saved_blocks == 0
         _assert_same_kv(out.cache, _engine_kv(engine, ids), n)

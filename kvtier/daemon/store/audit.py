@@ -113,8 +113,9 @@ async def _audit_disk(mover: Mover, report: CheckReport, fix: bool, now: float) 
     orphan_status = await mover.run(_verify_records, disk, report.orphans, [stored[k] for k in report.orphans])
     # Block files the metadata does not list (and that are not free): valid records whose entries
     # were lost. Orphans too: ``fix`` lists them again and adopts them.
-    unlisted = [f for f in await mover.run(disk.unlisted) if f.key not in stored]
-    report.orphans.extend(BlockKey(f.key) for f in unlisted)
+    every_unlisted = await mover.run(disk.unlisted)
+    unlisted = [f for f in every_unlisted if f.key not in stored]  # the others: old copies of listed keys
+    report.orphans.extend(dict.fromkeys(BlockKey(f.key) for f in unlisted))
     if not fix:
         return
     missing = set(report.missing)
@@ -135,9 +136,9 @@ async def _audit_disk(mover: Mover, report: CheckReport, fix: bool, now: float) 
             junk.append(key)
     if junk:
         await mover.run(disk.delete_many, junk)
-    if not unlisted:
+    if not every_unlisted:
         return
-    relisted = {BlockKey(k) for k in await mover.run(disk.adopt, unlisted)}
+    relisted = {BlockKey(k) for k in await mover.run(disk.adopt, every_unlisted)}  # old copies become free
     back = [f for f in unlisted if f.key in relisted]
     status = await mover.run(_verify_records, disk, [BlockKey(f.key) for f in back], [f.header for f in back])
     drop = []

@@ -105,7 +105,8 @@ class MetaDB:
                 self._check_format()
                 for name in os.listdir(self.path):  # RocksDB makes its files 0666 less the umask
                     with contextlib.suppress(FileNotFoundError):
-                        tighten(os.path.join(self.path, name), FILE_MODE)
+                        if os.path.isfile(os.path.join(self.path, name)):
+                            tighten(os.path.join(self.path, name), FILE_MODE)
         except BaseException:
             self.close()
             raise

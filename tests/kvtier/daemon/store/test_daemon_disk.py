@@ -106,7 +106,7 @@ def test_the_daemon_starts_over_damaged_metadata_rebuilds_it_and_serves_the_bloc
     log = copy.log()
     assert re.search(r"metadata damaged \(.*\); moved aside to \S+meta\.damaged-\d{8}T\d{6}Z", log), log
     assert list((copy.data_dir / "disk").glob("meta.damaged-*")), "kept for the operator"
-    status = kvtier_cli("status", "--rest", _rest(copy), "--json")
+    status = kvtier_cli("status", "--rest", _rest(copy), "--token-file", str(copy.data_dir / "token"), "--json")
     assert status.returncode == 0, status.stderr
     assert json.loads(status.stdout)["stats"]["counters"]["disk_meta_rebuilds"] == 1
     if kind == "flip-largest-sst":  # the online check says what was found at start

@@ -50,6 +50,7 @@ file I/O releases the GIL (RocksDB calls hold it, but carry only small metadata 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -157,8 +158,9 @@ class DiskTier:
         self.repair: MetaRepair | None = None
         self._owner = OwnerLock.acquire(self.path)  # first: nothing else may touch a live tier's files
         self.previous_owner = self._owner.previous_pid
-        self._meta_args = {"sync": sync_writes, "max_background_jobs": max_background_jobs,
-                           "write_buffer_bytes": write_buffer_bytes}
+        self._open_db = functools.partial(MetaDB, self.path, sync=sync_writes,
+                                          max_background_jobs=max_background_jobs,
+                                          write_buffer_bytes=write_buffer_bytes)
         try:
             with storage_errors(f"open {self.path}"):
                 self._keep_free = keep_free_bytes
@@ -177,53 +179,60 @@ class DiskTier:
         """Open the metadata, check it against the block files, rebuild it if damaged, and count
         the records; the files no record names are free."""
         free = self._files.take_free_list()
-        entries: list[tuple[bytes, Location]] = []
-        reason = None
+        reason = tally = None
         try:
-            self._meta = MetaDB(self.path, **self._meta_args)
+            self._meta = self._open_db()
         except StorageError as e:
             if any(s in str(e) for s in _NOT_DAMAGE):
                 raise
             reason = str(e)
         if reason is None:
             try:
-                entries = list(self._meta.entries())
-                reason = self._count_check(entries, free)
+                tally = self._tally()
+                reason = self._count_check(tally, free)
             except StorageError as e:
                 reason = str(e)
             if reason is not None:
                 self._meta.close()
-        if reason is not None:
-            self._rebuild(reason, free)
-            entries = list(self._meta.entries())
         try:
-            used = count = fbytes = 0
-            live: set[int] = set()
-            for _, loc in entries:
-                used += loc.length
-                count += 1
-                fbytes += loc.file_bytes
-                live.add(loc.fid)
-            self._used, self._count, self._file_bytes = used, count, fbytes
+            if reason is not None:
+                self._rebuild(reason, free)
+                tally = self._tally()
+            assert tally is not None, "tallied above, or after the rebuild"
+            self._used, self._count, self._file_bytes, live = tally
             self._files.keep_free_bytes = self._free_budget()
             self._files.reclaim(live)
         except BaseException:
             self._meta.close()
             raise
 
-    def _count_check(self, entries: list[tuple[bytes, Location]], free: set[int] | None) -> str | None:
+    def _tally(self) -> tuple[int, int, int, set[int]]:
+        """One pass over the entries (meta only): record bytes, records, file bytes, file ids.
+
+        Raises:
+            StorageError: a damaged table.
+        """
+        used = count = fbytes = 0
+        live: set[int] = set()
+        for _, loc in self._meta.entries():
+            used += loc.length
+            count += 1
+            fbytes += loc.file_bytes
+            live.add(loc.fid)
+        return used, count, fbytes, live
+
+    def _count_check(self, tally: tuple[int, int, int, set[int]], free: set[int] | None) -> str | None:
         """Why the block files show the metadata damaged (None: they do not)."""
         if not self._meta.fresh and free is None:
             return None  # after a crash the free files are not known: nothing to count against
-        live = {loc.fid for _, loc in entries}
+        count, live = tally[1], tally[3]
         files = self._files.scan()
         if self._meta.fresh and files:
             return f"the metadata is new but {len(files)} block files exist"
         unlisted = [fid for fid, size in files.items()  # not counting partial files (a crash mid-write)
                     if fid not in live and (free is None or fid not in free) and size and size % ALIGN == 0]
         if unlisted:
-            return (f"{len(unlisted)} block files are neither listed by the metadata ({len(entries)} "
-                    f"entries) nor free")
+            return f"{len(unlisted)} block files are neither listed by the metadata ({count} entries) nor free"
         return None
 
     def _rebuild(self, reason: str, free: set[int] | None) -> None:
@@ -237,7 +246,7 @@ class DiskTier:
         moved = moved if n == 1 else f"{moved}-{n}"
         if os.path.exists(meta_path):
             os.rename(meta_path, moved)
-        self._meta = MetaDB(self.path, **self._meta_args)
+        self._meta = self._open_db()
         try:
             best: dict[bytes, tuple[int, Location]] = {}
             skipped = 0

@@ -188,7 +188,10 @@ class RedisCluster:
 
     def topology(self) -> list[NodeView]:
         """``CLUSTER NODES`` as seen by the first live node that answers."""
-        for node in self.live():
+        return self._topology_from(self.live())
+
+    def _topology_from(self, nodes: Sequence[Node]) -> list[NodeView]:
+        for node in nodes:
             try:
                 return parse_nodes(node.cli("cluster", "nodes", timeout=5))
             except (subprocess.CalledProcessError, subprocess.TimeoutExpired):
@@ -258,18 +261,22 @@ class RedisCluster:
             return ""
         wait_for("replicas caught up", lag, timeout_s)
 
-    def wait_failover(self, dead: Node, timeout_s: float = 60) -> None:
+    def wait_failover(self, dead: Node, timeout_s: float = 60, *, among: Sequence[Node] | None = None) -> None:
         """Wait until every slot is served by a live master (a replica took over ``dead``'s) and
-        every live node says ``cluster_state:ok``."""
+        every live node says ``cluster_state:ok``.
+
+        ``among``: the nodes to ask and count as live (default: every running node); the nodes
+        of a host that is cut off still run but cannot take part."""
         def done() -> str:
-            live = {n.address for n in self.live()}
-            views = self.topology()
+            nodes = self.live() if among is None else list(among)
+            live = {n.address for n in nodes} - {dead.address}
+            views = self._topology_from(nodes)
             served = [v for v in views if v.is_master and v.slots and not v.failed and v.address in live]
             if sum(hi - lo + 1 for v in served for lo, hi in v.slots) != 16384:
                 return "slots not all served by live masters"
             if any(v.address == dead.address and v.slots for v in views):
                 return f"{dead.address} still listed as serving slots"
-            for n in self.live():
+            for n in nodes:
                 if "cluster_state:ok" not in n.cli("cluster", "info", timeout=5):
                     return f"{n.address} not ok"
             return ""

@@ -54,6 +54,8 @@ shard)."""
 
 TRANSPORT = frozenset(("timeout", "connection", "cluster_down"))
 """Error kinds that mean the cluster (or a shard) could not be reached: what the breaker counts."""
+REFRESH_INTERVAL_S = 0.25
+"""Least time between two topology refreshes (one runs after a call that found a node unreachable)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,6 +213,9 @@ class RedisClusterBlocks(RemoteBlocks):
         self._counters = RemoteCounters()
         self._breaker = CircuitBreaker(settings.breaker, clock=clock, on_change=self._breaker_changed)
         self._client: RedisCluster | None = None
+        self._clock = clock
+        self._refresh: asyncio.Task[None] | None = None  # a topology refresh in flight
+        self._refreshed_at = -REFRESH_INTERVAL_S
         self._stragglers: set[asyncio.Task[Any]] = set()  # cancelled pipelines still unwinding
         self._closed = False
 
@@ -285,6 +290,9 @@ class RedisClusterBlocks(RemoteBlocks):
 
     async def close(self) -> None:
         self._closed = True
+        if self._refresh is not None:
+            self._refresh.cancel()
+            await asyncio.gather(self._refresh, return_exceptions=True)
         if self._stragglers:
             await asyncio.gather(*self._stragglers, return_exceptions=True)
         if self._client is not None:
@@ -372,6 +380,8 @@ class RedisClusterBlocks(RemoteBlocks):
             failed |= not chunk_reached
         for kind in kinds:
             self._counters.error(kind)
+        if kinds & TRANSPORT:
+            self._refresh_topology(client)
         # A call that reached any node proves the cluster is there (a lost shard alone must not
         # open the breaker for every other shard); one that reached none is a failure.
         if reached:
@@ -381,6 +391,28 @@ class RedisClusterBlocks(RemoteBlocks):
         else:
             self._breaker.abandon()
         return answers
+
+    def _refresh_topology(self, client: RedisCluster) -> None:
+        """Ask the cluster for its slot map again, in the background.
+
+        A node that stopped answering (a host cut off) makes redis-py refresh its topology only
+        when its own socket timeout fires before the call's deadline cancels it; a call cancelled
+        first leaves the old map, and every later call would time out on the old master forever,
+        even after its replica took over. So a call that found a node unreachable starts one
+        refresh that no call's deadline cancels (at most one at a time, at most one per
+        REFRESH_INTERVAL_S)."""
+        now = self._clock()
+        if (self._refresh is not None and not self._refresh.done()) or now - self._refreshed_at < REFRESH_INTERVAL_S:
+            return
+        self._refreshed_at = now
+        self._refresh = asyncio.ensure_future(self._rediscover(client))
+
+    @staticmethod
+    async def _rediscover(client: RedisCluster) -> None:
+        try:
+            await client.nodes_manager.initialize()
+        except Exception as e:  # nobody answered: the next failed call starts another refresh
+            log.debug("remote topology refresh failed: %s", type(e).__name__)
 
     @staticmethod
     async def _pipeline(client: RedisCluster, gate: asyncio.Semaphore, commands: list[tuple[Any, ...]]) -> list[Any]:

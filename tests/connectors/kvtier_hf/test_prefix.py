@@ -93,7 +93,7 @@ def test_the_loaded_cache_keeps_decoding_like_the_computed_one(model, kvtier_dae
 
 def test_daemon_outage_gives_misses_not_errors(model, kvtier_daemon, request) -> None:
     ids = prompt(40, seed=4)
-    with HFPrefixCache.for_model(model, address=kvtier_daemon.address, block_tokens=BT, timeout_s=5.0,
+    with HFPrefixCache.for_model(model, address=kvtier_daemon.address, block_tokens=BT, timeout_s=60.0,
                                  model_id=f"hf-{request.node.name}") as kv:
         assert kv.prefill(ids).saved_blocks == 2
         kvtier_daemon.stop()

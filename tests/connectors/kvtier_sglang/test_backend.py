@@ -8,7 +8,6 @@ way a restarted or second SGLang server would, and must come back bit-identical.
 from __future__ import annotations
 
 import secrets
-import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ from kvtier_sglang import PageBackend
 from tests.connectors.kvtier_sglang.sglkit import (MHAHostPool, MLAHostPool, StorageConfig, fill, hit_query,
                                                    host_indices, page_backup, page_hashes, page_tensor,
                                                    page_transfer)
+from tests.kvtier.waitkit import wait_until
 
 CASES = [("mha", lay) for lay in ("layer_first", "page_first", "page_first_direct", "page_head")]
 CASES += [("mla", lay) for lay in ("layer_first", "page_first", "page_first_direct")]
@@ -219,8 +219,8 @@ def test_daemon_outage_gives_misses_not_errors(kvtier_daemon, model) -> None:
     src, dst = MHAHostPool("layer_first"), MHAHostPool("layer_first")
     fill(src, seed=9)
     hashes = page_hashes(tokens(3 * 4, seed=9), 4)
-    backend = make_backend(kvtier_daemon.address, src, model=model, timeout_s=5.0)
-    reader = make_backend(kvtier_daemon.address, dst, model=model, timeout_s=5.0)
+    backend = make_backend(kvtier_daemon.address, src, model=model, timeout_s=60.0)
+    reader = make_backend(kvtier_daemon.address, dst, model=model, timeout_s=60.0)
     try:
         assert backend.batch_set_v1(hashes[:2], host_indices([0, 1], 4)) == [True, True]
         kvtier_daemon.stop()
@@ -232,23 +232,16 @@ def test_daemon_outage_gives_misses_not_errors(kvtier_daemon, model) -> None:
         assert backend.clear() is False
         kvtier_daemon.start()
         # The client fails fast for a moment after an outage (its hold-down), then reconnects.
-        assert eventually(lambda: reader.batch_exists(hashes) == 2)  # the disk tier kept what was stored
-        assert backend.batch_set_v1(hashes, host_indices([0, 1, 2], 4)) == [True] * 3
+        wait_until(lambda: reader.batch_exists(hashes) == 2, interval_s=0.1,
+                   what="the restarted daemon serving the reader")  # the disk tier kept what was stored
+        wait_until(lambda: backend.batch_set_v1(hashes, host_indices([0, 1, 2], 4)) == [True] * 3, interval_s=0.1,
+                   what="the restarted daemon storing the backend's pages")  # its own client's hold-down too
         assert reader.batch_get_v1(hashes, host_indices([5, 6, 7], 4)) == [True] * 3
         assert torch.equal(page_tensor(dst, 7), page_tensor(src, 2))
         assert backend.clear() and reader.batch_exists(hashes) == 0
     finally:
         backend.close()
         reader.close()
-
-
-def eventually(check, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
 
 
 def test_configuration_errors(kvtier_daemon_module, model, tmp_path: Path) -> None:

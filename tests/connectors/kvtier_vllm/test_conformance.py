@@ -36,6 +36,8 @@ import kvtier_vllm
 from kvtier_vllm.metadata import KVTierMetadata, KVTierWorkerMeta
 from tests.connectors.kvtier_vllm.vllmkit import (BLOCK, KvtierDaemon, MiniEngine, Request,
                                                    vllm_config)
+from tests.kvtier.client.clientkit import NS_ID, make_blocks
+from tests.kvtier.waitkit import PATIENCE_S, wait_until
 
 
 def transfer_config():
@@ -135,7 +137,19 @@ def test_daemon_events_decode_with_vllm_event_classes(tmp_path):
     sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
     sub.connect(f"tcp://127.0.0.1:{port}")
     try:
-        time.sleep(0.5)  # let the subscription reach the publisher
+        # A PUB socket drops what it sends before a subscription reached it: store probe blocks
+        # until one of their events arrives, then the subscription is live (their hashes are
+        # left out below).
+        probes: set[int] = set()
+
+        def subscribed() -> bool:
+            blocks = make_blocks(1, 4096, tag=b"probe%d" % len(probes))
+            probes.add(int.from_bytes(blocks[0][0][-8:], "big"))
+            assert probe.save(NS_ID, blocks) == ["stored"]
+            return sub.poll(200) != 0
+
+        with Client(daemon.address, timeout_s=PATIENCE_S) as probe:
+            wait_until(subscribed, interval_s=0, what="the subscription reaching the publisher")
         eng = MiniEngine(daemon.address, "v033-lbnhc")
         req = eng.add(Request("e", list(range(7, 7 + 2 * BLOCK + 1))))
         eng.run_until_idle()
@@ -144,7 +158,7 @@ def test_daemon_events_decode_with_vllm_event_classes(tmp_path):
         eng.close()
         decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
         stored = []
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + PATIENCE_S
         while time.monotonic() < deadline and len(stored) < 2:
             if not sub.poll(200):
                 continue
@@ -154,7 +168,7 @@ def test_daemon_events_decode_with_vllm_event_classes(tmp_path):
             for event in batch.events:
                 assert isinstance(event, (BlockStored, BlockRemoved, AllBlocksCleared))
                 if isinstance(event, BlockStored):
-                    stored.extend(event.block_hashes)
+                    stored.extend(h for h in event.block_hashes if h not in probes)
         assert stored[:2] == [int.from_bytes(h[-8:], "big") for h in req.block_hashes[:2]]
     finally:
         sub.close(0)

@@ -16,6 +16,7 @@ from kvtier.client import Client
 
 from tests.connectors.kvtier_vllm.vllmkit import (BLOCK, LAYOUTS, KvtierDaemon, MiniEngine, Request,
                                                    kv_cache_config, make_caches, token_kv)
+from tests.kvtier.waitkit import PATIENCE_S
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +76,7 @@ def test_loaded_pages_equal_saved_pages(daemon, layout, load_mode):
 
 
 def test_finished_request_keeps_blocks_until_saves_complete(own_daemon):
-    eng = MiniEngine(own_daemon.address, "v033-lbnhc", timeout_s=10.0)
+    eng = MiniEngine(own_daemon.address, "v033-lbnhc")  # the save waits on the paused daemon, not its timeout
     try:
         req = eng.add(Request("r", tokens(5 * BLOCK + 1, seed=2)))
         own_daemon.pause()  # the save job blocks on the silent daemon
@@ -88,7 +89,7 @@ def test_finished_request_keeps_blocks_until_saves_complete(own_daemon):
             assert "r" in eng.held and not set(blocks) & set(eng.free)
         assert eng.sched.has_pending_block_frees()
         own_daemon.resume()
-        eng.worker.worker.wait_idle(15.0)
+        eng.worker.worker.wait_idle(PATIENCE_S)
         out = eng.step()
         assert out.finished_sending == {"r"}
         assert not eng.held and set(blocks) <= set(eng.free)
@@ -114,7 +115,7 @@ def test_request_without_saves_is_freed_at_once(daemon):
 
 @pytest.mark.parametrize("load_mode", ["async", "sync"])
 def test_daemon_outage_mid_load_reports_block_ids(own_daemon, load_mode):
-    a, b = engines(own_daemon.address, "v033-lbnhc", load_mode=load_mode, timeout_s=1.0)
+    a, b = engines(own_daemon.address, "v033-lbnhc", load_mode=load_mode)  # the stopped daemon refuses at once
     try:
         prompt = tokens(4 * BLOCK + 3, seed=4)
         ra = a.add(Request("a", prompt))

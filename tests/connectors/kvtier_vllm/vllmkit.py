@@ -25,6 +25,7 @@ from kvtier_vllm import KVTierConnector
 from kvtier_vllm.compat import KVConnectorRole
 
 from tests.kvtier.conftest import KvtierDaemon  # the real ``kvtier serve`` subprocess
+from tests.kvtier.waitkit import PATIENCE_S
 
 __all__ = ["KvtierDaemon"]
 
@@ -39,7 +40,8 @@ LAYOUTS = ("v033-lbnhc", "v033-lbhnc", "legacy-flash", "v033-mla")
 
 def vllm_config(address: str, *, tp_size: int = 1, rank: int = 0, model: str | None = None, **extra: Any) -> Any:
     """A vLLM config with the fields KVTierConnector reads."""
-    extra = {"address": address, "timeout_s": 2.0, **extra}
+    # calls that must succeed: a timeout no busy machine comes near
+    extra = {"address": address, "timeout_s": 60.0, **extra}
     return SimpleNamespace(
         kv_transfer_config=SimpleNamespace(kv_connector="KVTierConnector", kv_connector_module_path="kvtier_vllm",
                                            kv_role="kv_both", kv_connector_extra_config=extra, is_kv_producer=True),
@@ -241,16 +243,22 @@ class MiniEngine:
         self.outputs.append(output)
         return output
 
-    def run_until_idle(self, max_steps: int = 500) -> None:
-        """Step until nothing waits, loads or is scheduled."""
-        for _ in range(max_steps):
+    def run_until_idle(self, max_steps: int = 500, timeout_s: float = PATIENCE_S) -> None:
+        """Step until nothing waits, loads or is scheduled: at most ``max_steps`` steps with work,
+        and as many idle steps as the background loads take (within ``timeout_s``)."""
+        deadline = time.monotonic() + timeout_s
+        steps = 0
+        while True:
             busy = self.waiting or self.ready or any(r.num_computed_tokens < r.num_tokens for r in self.running)
             if not busy and not self.remote:
                 return
-            if not busy:
+            if busy:
+                steps += 1
+                assert steps <= max_steps, "the engine did not go idle"
+            else:
+                assert time.monotonic() < deadline, f"background loads still running after {timeout_s} s"
                 time.sleep(0.005)  # only background loads left: vLLM keeps stepping meanwhile
             self.step()
-        raise AssertionError("the engine did not go idle")
 
     def _forward(self, reqs: list[Request], scheduled: dict[str, int]) -> None:
         for req in reqs:
@@ -280,7 +288,7 @@ class MiniEngine:
 
     def settle(self) -> None:
         """Let queued saves end, then step twice: reports reach the scheduler, held requests are released."""
-        self.worker.worker.wait_idle(15.0)
+        self.worker.worker.wait_idle(PATIENCE_S)
         self.step()
         self.step()
 

@@ -220,9 +220,11 @@ def mutate(data: bytes, rng: random.Random) -> bytes:
 
 
 def test_fuzz_decode_batch() -> None:
+    # Typed errors only, whatever the input; how fast is `kvtier bench fuzz`'s (its hangs and
+    # slowest rows), not a test's: the machine running the suite may be busy.
     rng = random.Random(42)
     seeds = [p.read_bytes() for p in sorted((VECTORS / "events").glob("*.bin"))]
-    start, decoded = time.monotonic(), 0
+    decoded = 0
     for i in range(12_000):
         data = rng.randbytes(rng.randint(0, 40)) if i % 4 == 0 else mutate(rng.choice(seeds), rng)
         try:
@@ -231,7 +233,6 @@ def test_fuzz_decode_batch() -> None:
         except KVTierError:
             pass
     assert decoded > 100
-    assert time.monotonic() - start < 30
 
 
 # --- ZMQ framing ---------------------------------------------------------------------------
@@ -286,7 +287,7 @@ def test_frames_through_real_zmq_sockets() -> None:
         sub.connect("inproc://kv-events")
         sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
         payload = ev.encode_batch(SECTION_4_2)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while not sub.poll(50):  # PUB drops messages until the subscription has arrived
             assert time.monotonic() < deadline
             pub.send_multipart(ev.live_message("kv@pod@model", 0, payload))

@@ -8,7 +8,6 @@ import importlib.util
 import json
 import random
 import struct
-import time
 from pathlib import Path
 from typing import Any
 
@@ -474,7 +473,7 @@ async def test_read_and_write_frames_over_a_unix_socket(tmp_path: Path) -> None:
             await fr.write_frame(writer, header, payload_)
         got = {}
         for _ in range(3):
-            frame = await asyncio.wait_for(fr.read_frame(reader), timeout=10)
+            frame = await asyncio.wait_for(fr.read_frame(reader), timeout=60)
             got[frame.id] = frame
         assert [f.id for f in got.values()] == [3, 2, 1]
         assert fr.parse_response("ping", got[1]) == fr.PingResponse(1)
@@ -510,8 +509,8 @@ async def test_read_frame_end_of_stream() -> None:
 
 async def test_read_frame_refuses_oversize_without_waiting_for_it() -> None:
     reader = stream_of(preamble(flags=1, payload_len=1 << 60), eof=False)
-    with pytest.raises(LimitExceeded):
-        await asyncio.wait_for(fr.read_frame(reader), timeout=5)
+    with pytest.raises(LimitExceeded):  # a reader that waited for the payload would never return:
+        await asyncio.wait_for(fr.read_frame(reader), timeout=60)  # the timeout only ends that wait
 
 
 # --- fuzzing -------------------------------------------------------------------------------
@@ -558,8 +557,9 @@ def mutate_header(header: dict[str, Any], rng: random.Random) -> dict[str, Any]:
 
 
 def test_fuzz_frame_decoder() -> None:
+    # Typed errors only, whatever the input; how fast is `kvtier bench fuzz`'s (its hangs and
+    # slowest rows), not a test's: the machine running the suite may be busy.
     rng = random.Random(20261130)
-    start = time.monotonic()
     outcomes = {"frames": 0, "errors": 0}
     for i in range(12_000):
         if i % 3 == 0:
@@ -581,7 +581,6 @@ def test_fuzz_frame_decoder() -> None:
         except KVTierError:
             outcomes["errors"] += 1
     assert outcomes["frames"] > 100 and outcomes["errors"] > 1000
-    assert time.monotonic() - start < 30
 
 
 def test_fuzz_validate_request_and_parse_response() -> None:

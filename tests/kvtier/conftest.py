@@ -58,7 +58,7 @@ class KvtierDaemon:
                      # Touching every host page at start costs CPU the tests need; correctness is the same.
                      "KVTIER_STORE__HOST_PREFAULT": "0"}
 
-    def start(self, timeout_s: float = 30.0) -> KvtierDaemon:
+    def start(self, timeout_s: float = 60.0) -> KvtierDaemon:
         """Start the process and wait for its "kvtierd ready" log line.
 
         Raises:
@@ -97,7 +97,7 @@ class KvtierDaemon:
                 proc.wait(10)
         return proc.returncode
 
-    def restart(self, timeout_s: float = 30.0) -> KvtierDaemon:
+    def restart(self, timeout_s: float = 60.0) -> KvtierDaemon:
         """Stop the daemon and start it again on the same data directory and socket."""
         self.stop()
         return self.start(timeout_s)

@@ -10,6 +10,14 @@ One step::
 Prefix reuse, cheapest first: blocks already computed in this engine's pages are shared; the
 next blocks the daemon holds are loaded into fresh pages; the rest is computed. A daemon that is
 down or slow answers "no hit" (the connector degrades), so the engine then simply computes.
+
+Layer-wise (the default with a connector): a load's records are fetched and verified before the
+step is built (that fixes how many blocks load), then its pages are placed layer by layer while
+the forward runs, and layer ``i`` waits only for its own pages (a forward pre-hook per decoder
+layer), so on a partial hit loading layer ``i + 1`` overlaps computing the suffix's layer ``i``.
+The prompt's blocks are saved the same way: layer ``i`` of their pages is copied out as soon as
+layer ``i`` of the step that completes the prompt has run (a forward hook), and stored in the
+background; the next step writes pages only after those copies (``release_pages``).
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -34,6 +42,7 @@ from kvtier.engine.scheduler import ScheduledBatch, Scheduler, Sequence
 
 if TYPE_CHECKING:
     from kvtier.connector.core import KVConnectorCore
+    from kvtier.connector.layerwise import LayerLoad, LayerSave
 
 DEFAULT_KV_CACHE_BYTES = 512 << 20
 
@@ -91,6 +100,7 @@ class _Request:
     ttft_s: float = 0.0
     first_logits: torch.Tensor | None = None
     logits: list[torch.Tensor] = field(default_factory=list)
+    saved: bool = False  # its prompt's blocks are being saved layer-wise
 
 
 class Engine:
@@ -110,12 +120,15 @@ class Engine:
             None: no kvtier, prefixes are reused only within this engine.
         codec: how blocks are stored in kvtier (``"raw"``, ``"int8"``, ``"int4"``).
         timeout_s: bound on each daemon call; past it the engine recomputes.
+        layerwise: load and save kvtier blocks layer by layer, overlapped with the forward (see
+            the module docstring); False: load whole blocks before the forward and save after it.
     """
 
     def __init__(self, model_dir: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  block_tokens: int = 16, num_pages: int | None = None, max_step_tokens: int = 4096,
                  max_num_seqs: int = 256, connector: KVConnectorCore | None = None,
-                 kvtier_address: str | None = None, codec: str = "raw", timeout_s: float = 2.0) -> None:
+                 kvtier_address: str | None = None, codec: str = "raw", timeout_s: float = 2.0,
+                 layerwise: bool = True) -> None:
         self.device = torch.device(device)
         self.block_tokens = block_tokens
         self.model = load_model(model_dir, device=self.device, dtype=dtype)
@@ -144,6 +157,13 @@ class Engine:
         self._requests: dict[int, _Request] = {}
         self._save_jobs: list[int] = []
         self._ids = itertools.count()
+        self.layerwise = layerwise
+        self._step_loads: list[LayerLoad] = []  # this step's layer-wise loads (waited on per layer)
+        self._step_saves: list[LayerSave] = []  # this step's layer-wise saves (fed per layer)
+        if connector is not None:
+            for i, layer in enumerate(self.model.model.layers):
+                layer.register_forward_pre_hook(self._layer_hook(i, before=True))
+                layer.register_forward_hook(self._layer_hook(i, before=False))
 
     # -- requests ----------------------------------------------------------------------------------
 
@@ -190,13 +210,35 @@ class Engine:
         """Run one step; returns the requests that finished in it."""
         batch = self.scheduler.schedule()
         assert batch.seqs, "unfinished requests but nothing to schedule"
-        for seq in batch.admitted:
+        if self.connector is not None:
+            self.connector.release_pages()  # pages a save still reads are written only after its reads
+        loads = [(seq, self._load(seq)) for seq in batch.admitted]
+        for seq, load in loads:
             self.stats.shared_tokens += seq.num_shared_tokens
-            self._load(seq)
+            self._loaded(seq, load)
         input_ids, positions, attn, rows = self._prepare(batch)
-        with torch.inference_mode():
-            # Logits only where a sequence reaches its end (a sampled token); mid-prompt rows need none.
-            logits = self.model(input_ids, positions, attn, self.kv_cache.layers, logits_rows=rows)
+        self._step_loads = [load for _, load in loads if not isinstance(load, (int, type(None))) and load.num_blocks()]
+        self._step_saves = [self._start_save(seq) for seq, n in zip(batch.seqs, batch.num_new_tokens)
+                            if self._completes_prompt(seq, n)] if self.layerwise and self.connector else []
+        self._step_saves = [s for s in self._step_saves if s is not None]
+        try:
+            with torch.inference_mode():
+                # Logits only where a sequence reaches its end (a sampled token); mid-prompt rows need none.
+                logits = self.model(input_ids, positions, attn, self.kv_cache.layers, logits_rows=rows)
+        except BaseException:
+            for save in self._step_saves:
+                save.abandon()
+            raise
+        finally:
+            step_loads, self._step_loads, step_saves, self._step_saves = self._step_loads, [], self._step_saves, []
+        for load in step_loads:
+            result = load.result()
+            if result.num_blocks != load.num_blocks():  # the copies broke off after the count was fixed
+                raise RuntimeError(f"a layer-wise load from kvtier failed mid-way ({result.error}); "
+                                   "this step's KV is not trustworthy")
+        for save in step_saves:
+            assert save.job is not None, "the forward ran every layer"
+            self._save_jobs.append(save.job)
         self.scheduler.postprocess(batch)
         self.stats.steps += 1
         self.stats.computed_tokens += batch.num_tokens
@@ -255,12 +297,23 @@ class Engine:
         # Without kvtier the hashes only have to agree within this engine: one unit per page.
         return chain_hashes(tokens, self.block_tokens)
 
-    def _load(self, seq: Sequence) -> None:
-        """Copy the blocks the daemon said it holds into the sequence's fresh pages."""
+    def _load(self, seq: Sequence) -> LayerLoad | int | None:
+        """Start loading the blocks the daemon said it holds into the sequence's fresh pages: a
+        layer-wise load, or (not layer-wise) the whole blocks now; None: nothing to load."""
         first, count = seq.num_shared_tokens // self.block_tokens, seq.num_lookup_tokens // self.block_tokens
         if count == 0 or self.connector is None:
+            return None
+        hashes, pages = seq.block_hashes[first:first + count], seq.block_table[first:first + count]
+        if self.layerwise:
+            return self.connector.start_load(hashes, pages)
+        return self.connector.load(hashes, pages)
+
+    def _loaded(self, seq: Sequence, load: LayerLoad | int | None) -> None:
+        """Account for a load: the verified blocks count as computed, the rest is computed."""
+        if load is None:
             return
-        loaded = self.connector.load(seq.block_hashes[first:first + count], seq.block_table[first:first + count])
+        first = seq.num_shared_tokens // self.block_tokens
+        loaded = load if isinstance(load, int) else load.num_blocks()
         # A block evicted between lookup and load (or a daemon gone) is computed instead.
         seq.num_loaded_tokens = loaded * self.block_tokens
         seq.num_computed_tokens = (first + loaded) * self.block_tokens
@@ -308,11 +361,44 @@ class Engine:
                 finished.append(self._output(self._requests.pop(seq.seq_id)))
         return finished
 
+    def _layer_hook(self, layer: int, *, before: bool) -> Any:
+        """A forward (pre-)hook of decoder layer ``layer``: wait for its pages of this step's
+        loads before it runs; feed this step's saves its pages once it has run."""
+        def before_layer(module: Any, args: Any) -> None:
+            assert self.connector is not None
+            for load in self._step_loads:
+                load.wait_layer(layer, self.connector.streams.compute)
+
+        def after_layer(module: Any, args: Any, output: Any) -> None:
+            for save in self._step_saves:
+                save.layer_done(layer)
+        return before_layer if before else after_layer
+
+    def _completes_prompt(self, seq: Sequence, n: int) -> bool:
+        """Whether this step computes the rest of ``seq``'s prompt (its first token follows)."""
+        return self._requests[seq.seq_id].first_logits is None and seq.num_computed_tokens + n == len(seq.token_ids)
+
+    def _save_range(self, seq: Sequence) -> tuple[int, int]:
+        """The prompt's full blocks this request computes (not those it shared or loaded)."""
+        return seq.num_reused_tokens // self.block_tokens, len(seq.block_hashes)
+
+    def _start_save(self, seq: Sequence) -> LayerSave | None:
+        """A layer-wise save of the prompt's blocks, fed by this step's forward; None: nothing to save."""
+        assert self.connector is not None
+        bt = self.block_tokens
+        first, end = self._save_range(seq)
+        self._requests[seq.seq_id].saved = True
+        if first >= end:
+            return None
+        return self.connector.start_save(
+            seq.block_hashes[first:end], seq.block_table[first:end], token_ids=seq.token_ids[first * bt:end * bt],
+            parent=seq.block_hashes[first - 1] if first else None)
+
     def _save(self, seq: Sequence) -> None:
         """Store the prompt's full blocks this request computed (not those it shared or loaded)."""
         bt = self.block_tokens
-        first, end = seq.num_reused_tokens // bt, len(seq.block_hashes)
-        if self.connector is None or first >= end:
+        first, end = self._save_range(seq)
+        if self.connector is None or first >= end or self._requests[seq.seq_id].saved:
             return
         self._save_jobs.append(self.connector.submit_save(
             seq.block_hashes[first:end], seq.block_table[first:end], token_ids=seq.token_ids[first * bt:end * bt],

@@ -163,8 +163,7 @@ def test_a_delayed_layer_holds_the_engine_at_exactly_that_layer(kvtier_daemon_mo
     assert consumed == list(range(ns.num_layers))
     trace = load.trace
     assert trace.index(("wait", k)) < trace.index(("ready", k)) < trace.index(("consumed", k))
-    assert trace[:2 * k] == [e for i in range(k) for e in (("ready", i), ("consumed", i))] or all(
-        trace.index(("ready", i)) < trace.index(("consumed", i)) < trace.index(("wait", k)) for i in range(k))
+    assert all(trace.index(("ready", i)) < trace.index(("consumed", i)) < trace.index(("wait", k)) for i in range(k))
     assert all(torch.equal(a, b) for a, b in zip(bits(writer, [0, 1]), bits(reader, [4, 5])))
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from tests.manyhosts.netns import Fabric, Host, NetnsLoop, NetnsUnavailable, check_prerequisites, skip_or_fail
 from tests.manyhosts.rediscluster import RedisCluster
+from tests.manyhosts.tls import TlsFiles, make_tls
 
 
 @dataclass
@@ -28,7 +29,7 @@ class ManyHosts:
         fabric: the namespaces.
         servers: the hosts that run the cluster (``h1``..``h3``).
         client: the test's own host (``h4``): no server runs there.
-        cluster: the Redis Cluster over ``servers``.
+        cluster: the Redis Cluster over ``servers`` (``cluster.tls``: its certificates, or None).
         loop: an event loop inside ``client``: ``loop.run(coro)`` talks from the client host.
     """
 
@@ -40,16 +41,26 @@ class ManyHosts:
 
 
 @contextmanager
-def many_hosts(workdir: Path, *, servers: int = 3) -> Iterator[ManyHosts]:
+def many_hosts(workdir: Path, *, servers: int = 3, tls: bool = False) -> Iterator[ManyHosts]:
     """``servers`` hosts running a cluster (two nodes each: masters + replicas), plus a client
-    host with an event loop in it; all torn down on exit, on failure too."""
+    host with an event loop in it; all torn down on exit, on failure too.
+
+    ``tls``: the cluster speaks TLS only (clients, bus, replication), with certificates of a
+    throw-away CA (``cluster.tls.ca``); needs the ``openssl`` command."""
     try:
-        check_prerequisites("redis-server", "redis-cli")
+        check_prerequisites("redis-server", "redis-cli", *(("openssl",) if tls else ()))
         fabric = Fabric(servers + 1)
     except NetnsUnavailable as e:
         skip_or_fail(str(e))
         raise AssertionError("unreachable: skip_or_fail raises") from e
-    cluster = RedisCluster(fabric.hosts[:servers], workdir)
+    certs: TlsFiles | None = None
+    try:
+        if tls:
+            certs = make_tls(workdir / "tls", [h.address for h in fabric.hosts[:servers]])
+    except BaseException:
+        fabric.close()
+        raise
+    cluster = RedisCluster(fabric.hosts[:servers], workdir, tls=certs)
     loop: NetnsLoop | None = None
     try:
         cluster.start()
@@ -62,4 +73,4 @@ def many_hosts(workdir: Path, *, servers: int = 3) -> Iterator[ManyHosts]:
         fabric.close()
 
 
-__all__ = ["Fabric", "Host", "ManyHosts", "NetnsLoop", "NetnsUnavailable", "RedisCluster", "many_hosts"]
+__all__ = ["Fabric", "Host", "ManyHosts", "NetnsLoop", "NetnsUnavailable", "RedisCluster", "TlsFiles", "many_hosts"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import ctypes
+import itertools
 import os
 import re
 import shutil
@@ -32,10 +33,11 @@ import pytest
 SUBNET = "10.213.7"  # /24; hosts are .1, .2, ...; it exists only inside the fabric's namespaces
 REQUIRE_ENV = "KVTIER_REQUIRE_NETNS"
 NETNS_DIR = Path("/run/netns")
-NAME_PREFIX = "kvtnet"  # namespaces are named kvtnet<pid>-br, kvtnet<pid>-h1, ...
+NAME_PREFIX = "kvtnet"  # namespaces are named kvtnet<pid>x<n>-br, kvtnet<pid>x<n>-h1, ...
 CLONE_NEWNET = 0x40000000
 
 T = TypeVar("T")
+_FABRICS = itertools.count()
 
 
 class NetnsUnavailable(Exception):
@@ -68,7 +70,7 @@ def remove_stale() -> None:
     if not NETNS_DIR.is_dir():
         return
     for path in NETNS_DIR.iterdir():
-        m = re.fullmatch(rf"{NAME_PREFIX}(\d+)-\w+", path.name)
+        m = re.fullmatch(rf"{NAME_PREFIX}(\d+)x\d+-\w+", path.name)
         if m and not Path(f"/proc/{m.group(1)}").exists():
             _kill_in(path.name)
             _ip("netns", "del", path.name, check=False)
@@ -132,7 +134,7 @@ class Fabric:
     def __init__(self, n: int) -> None:
         check_prerequisites()
         remove_stale()
-        tag = f"{NAME_PREFIX}{os.getpid()}"
+        tag = f"{NAME_PREFIX}{os.getpid()}x{next(_FABRICS)}"  # two fabrics of one process never clash
         self.bridge_ns = f"{tag}-br"
         self.hosts: list[Host] = []
         self._namespaces: list[str] = []

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.manyhosts.netns import Host
+from tests.manyhosts.tls import TlsFiles
 
 BASE_PORT = 7001
 
@@ -43,6 +44,7 @@ class Node:
     port: int
     dir: Path
     process: subprocess.Popen[bytes] | None = None
+    tls: TlsFiles | None = None
 
     @property
     def address(self) -> str:
@@ -58,8 +60,8 @@ class Node:
         Raises:
             subprocess.CalledProcessError / TimeoutExpired when ``check`` and the call fails.
         """
-        r = self.host.run("redis-cli", "-h", self.host.address, "-p", str(self.port), *args,
-                          check=check, timeout=timeout)
+        r = self.host.run("redis-cli", *_cli_tls(self.tls), "-h", self.host.address, "-p", str(self.port),
+                          *args, check=check, timeout=timeout)
         return r.stdout
 
 
@@ -128,11 +130,13 @@ class RedisCluster:
     workdir: Path
     nodes_per_host: int = 2
     maxmemory: str = "256mb"
+    tls: TlsFiles | None = None
     nodes: list[Node] = field(default_factory=list)
 
     @property
     def url(self) -> str:
-        return "redis+cluster://" + ",".join(n.address for n in self.nodes)
+        scheme = "rediss+cluster" if self.tls else "redis+cluster"
+        return f"{scheme}://" + ",".join(n.address for n in self.nodes)
 
     def start(self, timeout_s: float = 60) -> None:
         """Start every node, create the cluster, wait until it is healthy.
@@ -142,7 +146,7 @@ class RedisCluster:
         """
         for k in range(self.nodes_per_host):
             for host in self.hosts:
-                node = Node(host, BASE_PORT + k, self.workdir / f"{host.name}-{BASE_PORT + k}")
+                node = Node(host, BASE_PORT + k, self.workdir / f"{host.name}-{BASE_PORT + k}", tls=self.tls)
                 node.dir.mkdir(parents=True, exist_ok=True)
                 self.nodes.append(node)
         for node in self.nodes:
@@ -150,15 +154,21 @@ class RedisCluster:
         for node in self.nodes:
             wait_for(f"{node.address} answering", lambda n=node: "" if _pong(n) else "no PONG", timeout_s)
         first = self.nodes[0]
-        first.host.run("redis-cli", "--cluster", "create", *(n.address for n in self.nodes),
+        first.host.run("redis-cli", *_cli_tls(self.tls), "--cluster", "create", *(n.address for n in self.nodes),
                        "--cluster-replicas", "1", "--cluster-yes", timeout=timeout_s)
         self.wait_healthy(timeout_s)
 
     def start_node(self, node: Node) -> None:
         """Start (or restart, as the same cluster node) one server."""
         assert not node.alive, f"{node.address} is running"
+        port = ["--port", str(node.port)]
+        if self.tls is not None:  # TLS only: clients, the cluster bus and replication
+            port = ["--port", "0", "--tls-port", str(node.port), "--tls-cluster", "yes",
+                    "--tls-replication", "yes", "--tls-auth-clients", "no",
+                    "--tls-cert-file", str(self.tls.cert), "--tls-key-file", str(self.tls.key),
+                    "--tls-ca-cert-file", str(self.tls.ca)]
         node.process = node.host.popen([
-            "redis-server", "--bind", node.host.address, "--port", str(node.port),
+            "redis-server", "--bind", node.host.address, *port,
             "--protected-mode", "no", "--dir", str(node.dir), "--logfile", "",
             "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
             "--cluster-node-timeout", "2000", "--cluster-require-full-coverage", "no",
@@ -287,6 +297,10 @@ class RedisCluster:
         for node in self.live():
             reply = node.cli("acl", "setuser", user, *rules)
             assert reply.strip() == "OK", f"ACL SETUSER on {node.address}: {reply!r}"
+
+
+def _cli_tls(tls: TlsFiles | None) -> list[str]:
+    return [] if tls is None else ["--tls", "--cacert", str(tls.ca)]
 
 
 def _pong(node: Node) -> bool:

@@ -22,7 +22,7 @@ from kvtier.daemon.remote.backend import RemoteKey
 from kvtier.daemon.remote.breaker import BreakerSettings, BreakerState
 from kvtier.daemon.remote.redis_cluster import RedisClusterBlocks, RedisClusterSettings, block_key
 from kvtier.daemon.remote.verify import MissReason, verify_namespace, verify_record
-from tests.kvtier.daemon.remote.remotekit import chain_hash, make_blocks, make_record, namespace_for
+from tests.kvtier.daemon.remote.remotekit import make_blocks, make_record, namespace_for
 from tests.manyhosts import ManyHosts, many_hosts
 
 MiB = 1 << 20

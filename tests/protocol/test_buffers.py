@@ -1,8 +1,14 @@
-"""protocol/kvtier_protocol/buffers.py: inline payload buffers are reused, but never while a view of one is alive."""
+"""protocol/kvtier_protocol/buffers.py: inline payload buffers are reused, but never while a view of one is alive;
+a lazy one costs memory only as it is written; byte budgets grant in order and lose nothing to cancelled waits."""
 
 from __future__ import annotations
 
-from kvtier_protocol.buffers import PAGE, PayloadBuffers
+import asyncio
+import os
+
+import pytest
+
+from kvtier_protocol.buffers import PAGE, ByteBudget, PayloadBuffers
 
 MiB = 1 << 20
 
@@ -47,3 +53,34 @@ def test_the_pool_keeps_at_most_keep_bytes_dropping_the_largest() -> None:
     view.release()
     pool.close()
     assert pool.free_bytes == 0 and a.closed
+
+
+def _rss_anon() -> int:
+    with open(f"/proc/{os.getpid()}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc")
+def test_a_lazy_buffer_costs_memory_only_for_what_is_written() -> None:
+    pool = PayloadBuffers(keep_bytes=0)
+    before = _rss_anon()
+    view = pool.view(256 * MiB, populate=False)
+    view[:MiB] = b"x" * MiB
+    assert _rss_anon() - before < 64 * MiB  # not the 256 MiB announced
+    del view
+
+
+async def test_a_byte_budget_grants_in_order_and_a_cancelled_wait_takes_nothing() -> None:
+    budget = ByteBudget(10)
+    assert budget.try_take(6) and not budget.try_take(5)
+    big = asyncio.ensure_future(budget.take(8))
+    small = asyncio.ensure_future(budget.take(2))
+    await asyncio.sleep(0)
+    assert not big.done() and not small.done(), "first come first served: the small one waits its turn"
+    big.cancel()
+    await asyncio.gather(big, return_exceptions=True)
+    await asyncio.sleep(0)
+    assert small.done() and budget.used == 8  # the line moved on
+    budget.give(6)
+    budget.give(2)
+    assert budget.used == 0 and budget.try_take(10)

@@ -112,6 +112,10 @@ async def error_middleware(request: web.Request,
         return await handler(request)
     except KVTierError as exc:
         outcome = exc.code
+        if request.body_exists and not request.content.is_eof():
+            # Refused before its body was read (no token, too large): the connection ends after
+            # the answer, and the body's remaining bytes are dropped unparsed, not drained.
+            request.protocol.close()
         headers = {"WWW-Authenticate": 'Bearer realm="kvtier"'} if isinstance(exc, Unauthorized) else None
         return _error(http_status(exc), exc.code, exc.message, headers)
     except web.HTTPException as exc:
@@ -202,7 +206,9 @@ async def _raw_body(request: web.Request) -> bytes:
         async with asyncio.timeout(timeout_s):
             return await request.read()  # read() enforces client_max_size (413) as bytes arrive
     except TimeoutError:
-        request.protocol.force_close()  # the rest of the body may still come: the stream is lost
+        # The rest of the body may still come: the stream is lost. close(), not force_close():
+        # the answer goes out first, then the connection ends (after at most lingering_time).
+        request.protocol.close()
         raise web.HTTPRequestTimeout(reason=f"the request body did not arrive within {timeout_s:g} s") from None
 
 

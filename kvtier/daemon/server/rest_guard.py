@@ -58,7 +58,7 @@ def rest_connection_cap(config: DaemonConfig) -> int:
             pass
     if soft == resource.RLIM_INFINITY:
         return wanted
-    cap = max(MIN_REST_CONNECTIONS, min(wanted, soft - needed))
+    cap = min(wanted, max(MIN_REST_CONNECTIONS, soft - needed))
     if cap < wanted:
         log.warning("kvtierd: REST limited to %d connections (descriptor limit %d, the data plane keeps %d)",
                     cap, soft, needed)
@@ -92,8 +92,8 @@ class _Refused(asyncio.Protocol):
     """A connection above the cap: one 503 answer, then closed (nothing is read)."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.WriteTransport), "a stream transport"
-        transport.write(_REFUSAL)
+        # (uvloop's transports are no asyncio.WriteTransport subclasses: no isinstance check)
+        transport.write(_REFUSAL)  # type: ignore[attr-defined]
         transport.close()
 
 

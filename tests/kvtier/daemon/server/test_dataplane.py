@@ -459,3 +459,35 @@ async def test_large_payload_read_in_place_and_a_stream_ending_inside_it(tmp_pat
         cut.raw.sock.shutdown(socket.SHUT_WR)  # the stream ends 1 MiB short of the payload
         assert await cut.recv() is None  # closed without an answer; nothing stored
         assert ok(await peer.call("lookup", ns_id=BIG_NS_ID, hashes=[other_key]))["num_hits"] == 0
+
+
+async def test_received_payloads_wait_for_room_in_the_daemons_byte_budget(tmp_path):
+    """max_buffer_bytes bounds payload bytes held by all connections together: a second put
+    waits, unread, while a first one holds the budget, and goes through once it is released."""
+    size = 2 << 20
+    async with open_plane(tmp_path, host_bytes=16 << 20, max_payload_bytes=size, max_buffer_bytes=size,
+                          max_connection_buffer_bytes=size) as p:
+        key, record = big_record(size - 4096, seed=1)
+        head = {"op": "put", "id": 1, "ns_id": BIG_NS_ID, "hashes": [key], "lens": [len(record)]}
+        whole = fr.encode_frame_bytes(head, record)
+        first, second = await p.connect(p.tcp, token=TOKEN), await p.connect(p.tcp, token=TOKEN)
+        cut = len(whole) - len(record) // 2
+        await first.send_bytes(whole[:cut])  # announced in full, half sent: charged in full
+        await eventually(lambda: p.plane.budget.used == len(record))
+        key2, record2 = big_record(size - 4096, seed=2)
+        await second.send_bytes(fr.encode_frame_bytes({**head, "hashes": [key2]}, record2))
+        await eventually(lambda: len(p.plane.budget._waiters) == 1)  # no room: it waits, unread
+        await first.send_bytes(whole[cut:])
+        assert ok(await first.recv())["results"] == ["stored"]
+        assert ok(await second.recv())["results"] == ["stored"]
+        await eventually(lambda: p.plane.budget.used == 0)
+
+
+async def test_a_stranger_may_not_send_a_payload_before_hello(tmp_path):
+    async with open_plane(tmp_path) as p:
+        peer = await p.connect(p.tcp, hello=False)
+        await peer.send_bytes(fr.encode_frame_bytes({"op": "ping", "id": 1}, b"x" * 16))
+        reply = await peer.recv()
+        assert reply.id == fr.CONNECTION_ERROR_ID and err(reply) == "limit_exceeded"
+        assert await peer.recv() is None
+        await eventually(lambda: p.plane.num_unauthenticated == 0)

@@ -111,8 +111,11 @@ def test_every_mutating_rest_call_needs_the_token(daemon: KvtierDaemon) -> None:
             assert headers.get("WWW-Authenticate", "").startswith("Bearer")
         status, _, body = rest(daemon, method, path, {"ns": NS.ns_id.hex()}, TOKEN)
         assert status != 401, (method, path, body)
-    for path in ("/v1/health", "/v1/stats", "/v1/tiers", "/v1/namespaces", "/v1/blocks", "/metrics"):
+    for path in ("/v1/health", "/v1/ready", "/metrics", "/openapi.json"):  # public
         assert rest(daemon, "GET", path)[0] == 200, path
+    for path in ("/v1/stats", "/v1/tiers", "/v1/namespaces", "/v1/blocks"):  # reads: a token (rest.public_reads off)
+        assert rest(daemon, "GET", path)[0] == 401, path
+        assert rest(daemon, "GET", path, token=TOKEN)[0] == 200, path
 
 
 # --- private files, segments passed as descriptors --------------------------------------------

@@ -28,7 +28,7 @@ HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 _TYPES: dict[str, tuple[type, ...]] = {
     "address": (str,), "token": (str,), "token_file": (str,), "timeout_s": (int, float), "codec": (str,),
     "load_mode": (str,), "save_decode": (bool,), "priority": (int,), "model": (str,), "revision": (str,),
-    "tenant_salt": (str,), "kv_events": (bool,),
+    "tenant_salt": (str,), "kv_events": (bool,), "layerwise": (bool,),
 }
 
 
@@ -52,6 +52,10 @@ class KVTierConfig:
         tenant_salt: tenant isolation salt of the namespace.
         kv_events: re-emit saved blocks as ``BlockStored(medium="CPU")`` through vLLM's own
             KV-event publisher (off by default: the daemon publishes its tiers itself).
+        layerwise: move KV layer by layer, overlapped with the forward (default): ``sync`` loads
+            are placed one layer at a time (``wait_for_layer_load`` waits for its layer only) and
+            saves copy each layer out in ``save_kv_layer``; False: whole blocks before and after
+            the forward (CUDA graphs then need no piecewise split).
     """
 
     address: str | None = None
@@ -66,6 +70,7 @@ class KVTierConfig:
     revision: str | None = None
     tenant_salt: str = ""
     kv_events: bool = False
+    layerwise: bool = True
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> KVTierConfig:

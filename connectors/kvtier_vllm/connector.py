@@ -48,6 +48,11 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             self._worker = WorkerSide(vllm_config, kv_cache_config, config)
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, *args: Any, **kwargs: Any) -> bool:
+        """Layer-wise transfers run in the per-layer hooks, which a whole CUDA graph would skip."""
+        return True
+
     @property
     def requires_kv_delivery(self) -> bool:
         """A cache, not a hand-off: a dropped save is only a later miss."""
@@ -79,10 +84,10 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker.start_load_kv(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # whole-block loads complete in start_load_kv or before the request is scheduled
+        self.worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        return  # whole blocks are saved in wait_for_save, after every layer wrote them
+        self.worker.save_kv_layer(self._meta(), layer_name)
 
     def wait_for_save(self) -> None:
         self.worker.wait_for_save(self._meta())

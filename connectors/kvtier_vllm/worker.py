@@ -8,8 +8,15 @@ job thread; ``get_finished`` reports finished asynchronous loads and the held re
 saves ended; ``get_block_ids_with_load_errors`` names the blocks a load did not fill (vLLM
 recomputes them under ``kv_load_failure_policy="recompute"``).
 
-Transfers are whole blocks after the forward, not layer by layer: ``wait_for_layer_load`` and
-``save_kv_layer`` have nothing to do, so CUDA graphs stay whole.
+Layer by layer (``layerwise``, the default): a synchronous load's records are fetched and
+verified on the core's load thread and placed one layer at a time on the load stream;
+``wait_for_layer_load`` (on entry to each attention layer) waits for that layer only, so loading
+layer ``i + 1`` overlaps computing layer ``i``. ``save_kv_layer`` (on exit from each attention
+layer) copies that layer of the step's save blocks to host staging once the compute that wrote
+them is done (an event on the compute stream); ``wait_for_save`` then stores them in the
+background and orders the engine's later compute after those copies, so vLLM may reuse the
+blocks. A step whose saves were not fed every layer (no per-layer hooks, e.g. a whole CUDA
+graph) saves whole blocks as without ``layerwise``: a device snapshot in ``wait_for_save``.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from typing import Any
 import torch
 
 from kvtier.connector import JobResult, KVConnectorCore
+from kvtier.connector.layerwise import LayerLoad, LayerSave
 
 from kvtier_vllm.caches import paged_caches
 from kvtier_vllm.compat import tensor_parallel_rank
@@ -58,6 +66,9 @@ class WorkerSide:
         self._saved_for: set[str] = set()  # requests with a save on this worker, until released
         self._load_errors: set[int] = set()
         self._report = KVTierWorkerMeta()
+        self._layer_of: dict[str, int] = {name: i for i, name in enumerate(self.geometry.layer_names)}
+        self._step_loads: list[tuple[LoadSpec, LayerLoad]] = []  # this step's layer-wise sync loads
+        self._step_saves: list[tuple[SaveSpec, LayerSave]] | None = None  # None until the first save_kv_layer
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> str:
         """Bind vLLM's per-layer caches (views, never copies); returns the core page layout used.
@@ -81,25 +92,68 @@ class WorkerSide:
     def start_load_kv(self, meta: KVTierMetadata) -> None:
         """Start the step's loads: synchronous ones complete here, asynchronous ones on the job thread."""
         core = self._bound()
+        core.release_pages()  # loads and this step's compute come after earlier saves' reads
         for spec in meta.loads:
             if spec.is_async:
                 self._jobs[core.submit_load(spec.hashes, spec.block_ids)] = spec
                 self._loading[spec.req_id] = self._loading.get(spec.req_id, 0) + 1
+            elif self.config.layerwise:
+                self._step_loads.append((spec, core.start_load(spec.hashes, spec.block_ids)))
             else:
                 self._load_errors.update(spec.block_ids[core.load(spec.hashes, spec.block_ids):])
 
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Return once this layer's pages of the step's synchronous loads are in place (queued
+        before the compute stream's next work)."""
+        if not self._step_loads:
+            return
+        layer, core = self._layer_of[layer_name], self._bound()
+        for _, load in self._step_loads:
+            load.wait_layer(layer, core.streams.compute)
+
+    def save_kv_layer(self, meta: KVTierMetadata, layer_name: str) -> None:
+        """This layer of the step's save blocks is written (by the compute queued so far): copy it out."""
+        if not self.config.layerwise or not self.writes or not meta.saves:
+            return
+        if self._step_saves is None:  # the step's first layer: start its saves
+            core = self._bound()
+            self._step_saves = [(spec, core.start_save(spec.hashes, spec.block_ids, token_ids=spec.token_ids,
+                                                       parent=spec.parent, priority=self.config.priority))
+                                for spec in meta.saves]
+        layer = self._layer_of[layer_name]
+        for _, save in self._step_saves:
+            save.layer_done(layer)
+
     def wait_for_save(self, meta: KVTierMetadata) -> None:
-        """Snapshot the pages of the step's saves and queue them; learn which finished requests are held."""
+        """Collect the step's layer-wise loads; queue the step's saves (fed layer by layer, else a
+        snapshot of their pages now); learn which finished requests are held."""
         self._held.update(meta.held)
+        for spec, load in self._step_loads:
+            result = load.result()
+            if result.num_blocks < len(spec.block_ids):
+                log.warning("kvtier: load for %s filled %d of %d blocks (%s); vLLM recomputes the rest",
+                            spec.req_id, result.num_blocks, len(spec.block_ids), result.error)
+                self._load_errors.update(spec.block_ids[result.num_blocks:])
+        self._step_loads = []
+        fed = {id(spec): save for spec, save in self._step_saves or ()}
+        self._step_saves = None
         for spec in meta.saves:
             self._saved_for.add(spec.req_id)
             if not self.writes:
                 self._report_save(spec, stored=True)
                 continue
-            job = self._bound().submit_save(spec.hashes, spec.block_ids, token_ids=spec.token_ids,
-                                            parent=spec.parent, priority=self.config.priority)
+            save = fed.get(id(spec))
+            if save is not None and save.job is not None:
+                job = save.job
+            else:
+                if save is not None:  # not every layer was fed: save whole blocks instead
+                    save.abandon()
+                job = self._bound().submit_save(spec.hashes, spec.block_ids, token_ids=spec.token_ids,
+                                                parent=spec.parent, priority=self.config.priority)
             self._jobs[job] = spec
             self._saving[spec.req_id] = self._saving.get(spec.req_id, 0) + 1
+        if self.core is not None:
+            self.core.release_pages()  # vLLM's next writes to these blocks come after the copies
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """``(held requests whose saves all ended here, requests whose asynchronous loads ended)``."""

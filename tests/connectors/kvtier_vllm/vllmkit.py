@@ -163,6 +163,7 @@ class MiniEngine:
         self.invalid: set[int] = set()
         self.events: list[Any] = []
         self.outputs: list[Any] = []
+        self.layer_log: list[tuple[str, int]] = []
 
     def add(self, request: Request) -> Request:
         self.waiting.append(request)
@@ -261,14 +262,19 @@ class MiniEngine:
             self.step()
 
     def _forward(self, reqs: list[Request], scheduled: dict[str, int]) -> None:
-        for req in reqs:
-            for layer, (name, cache) in enumerate(self.caches.items()):
-                self.worker.wait_for_layer_load(name)
+        """One forward over every scheduled request, layer by layer as vLLM runs it: each attention
+        layer waits for its loads, writes every request's new tokens, then hands the layer to saves.
+        ``layer_log`` records ``("enter", i)`` / ``("exit", i)`` around each layer."""
+        for layer, (name, cache) in enumerate(self.caches.items()):
+            self.worker.wait_for_layer_load(name)
+            self.layer_log.append(("enter", layer))
+            for req in reqs:
                 for pos in range(req.num_computed_tokens, req.num_computed_tokens + scheduled[req.request_id]):
                     shape = (1, MLA_C) if self.layout == "v033-mla" else (HEADS, 2 * HEAD)
                     kv = token_kv(req.all_token_ids, pos, layer, shape)
                     write_token(cache, self.layout, req.block_ids[pos // BLOCK], pos % BLOCK, kv)
-                self.worker.save_kv_layer(name, cache, None)
+            self.worker.save_kv_layer(name, cache, None)
+            self.layer_log.append(("exit", layer))
 
     def finish(self, req: Request) -> bool:
         """The request ends; returns request_finished's "keep the blocks" answer."""

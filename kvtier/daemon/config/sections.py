@@ -26,8 +26,9 @@ class DataPlaneConfig:
         max_connections: unix-socket connections served at once; more are refused.
         max_tcp_connections: TCP connections served at once, counted apart, so TCP peers can
             never take the unix socket's places.
-        max_unauthenticated: connections of one listener (unix socket, TCP) that have not yet
-            completed their hello; more are refused until one does or times out.
+        max_unauthenticated: TCP connections that have not yet completed their hello; more are
+            refused until one does or times out (the unix socket, reachable by the daemon's user
+            only, is limited by max_connections alone).
         hello_timeout_s: a connection that has not completed its hello this long after it was
             accepted is closed.
         max_inflight: requests one connection may have outstanding (more: ``busy``).

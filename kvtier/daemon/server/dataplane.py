@@ -8,9 +8,11 @@
               ─► every connection releases its leases and closes ─► socket file removed
 
 Admission: the unix socket and TCP count their connections apart (``max_connections``,
-``max_tcp_connections``), and each may have at most ``max_unauthenticated`` connections that have
-not yet completed their hello (which must come within ``hello_timeout_s``): idle strangers on TCP
-can neither fill the daemon nor keep the unix socket's clients (any tenant's) out. Received
+``max_tcp_connections``); TCP may have at most ``max_unauthenticated`` connections that have not
+yet completed their hello, and every connection must complete it within ``hello_timeout_s``:
+idle strangers on TCP can neither fill the daemon nor keep the unix socket's clients (any
+tenant's) out. (The unix socket, mode 0600, reaches only the daemon's user: a burst of engine
+workers connecting at once there is never refused for not having said hello yet.) Received
 payloads are charged to one byte budget for the daemon (``max_buffer_bytes``, see
 :mod:`kvtier.daemon.server.connection`).
 
@@ -198,7 +200,7 @@ class DataPlane:
             where = "TCP" if tcp else "unix-socket"
             await _refuse(writer, Busy(f"the daemon serves {cap} {where} connections at most"))
             return
-        if self._strangers[tcp] >= self.cfg.max_unauthenticated:
+        if tcp and self._strangers[tcp] >= self.cfg.max_unauthenticated:
             await _refuse(writer, Busy(f"{self.cfg.max_unauthenticated} connections are waiting for their "
                                        f"hello already; try again"))
             return

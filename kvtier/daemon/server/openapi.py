@@ -106,7 +106,7 @@ SCHEMAS: dict[str, Any] = {
 }
 
 _ERRORS = {"400": "malformed request (bad JSON, bad hex, bad argument)", "401": "missing or wrong token",
-           "404": "no such block, namespace or tenant", "413": "body or token list too large",
+           "404": "no such block, namespace or tenant", "408": "the request body did not arrive in time", "413": "body or token list too large",
            "429": "busy, retry later", "500": "internal error", "503": "not ready"}
 
 
@@ -116,7 +116,7 @@ def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
 
 def _op(op_id: str, summary: str, ok: dict[str, Any], errors: tuple[str, ...] = (), *,
         body: str | None = None, params: list[dict[str, Any]] | None = None,
-        token: bool = False) -> dict[str, Any]:
+        token: bool = False, read: bool = False) -> dict[str, Any]:
     out: dict[str, Any] = {"operationId": op_id, "summary": summary,
                            "responses": {"200": ok, **{c: {"$ref": f"#/components/responses/E{c}"} for c in errors}}}
     if body is not None:
@@ -126,6 +126,8 @@ def _op(op_id: str, summary: str, ok: dict[str, Any], errors: tuple[str, ...] = 
         out["parameters"] = params
     if token:
         out["security"] = [{"bearer": []}]
+    elif read:  # a token, unless the daemon serves anonymous reads (rest.public_reads)
+        out["security"] = [{"bearer": []}, {}]
     return out
 
 
@@ -150,13 +152,13 @@ def _paths() -> dict[str, Any]:
         "/v1/ready": {"get": _op("ready", "Readiness: 200 once serving, 503 while starting or stopping",
                                  _json_ok("Ready", "serving"), ("503",))},
         "/v1/stats": {"get": _op("stats", "Store counters and gauges", _json_ok("Stats", "counters and gauges"),
-                                 ("401", "404"), params=[_TENANT])},
+                                 ("401", "404"), params=[_TENANT], read=True)},
         "/v1/tiers": {"get": _op("tiers", "Capacity, use and traffic of each tier",
                                  _json(_obj({"tiers": {"type": "array", "items": _ref("Tier")}}), "tiers"),
-                                 ("401", "404"), params=[_TENANT])},
+                                 ("401", "404"), params=[_TENANT], read=True)},
         "/v1/namespaces": {"get": _op("namespaces", "Registered namespaces and namespaces holding blocks",
                                       _json(_obj({"namespaces": {"type": "array", "items": _ref("Namespace")}}),
-                                            "namespaces (tenant salts redacted)"), ("401", "404"), params=[_TENANT])},
+                                            "namespaces (tenant salts redacted)"), ("401", "404"), params=[_TENANT], read=True)},
         "/v1/tenants": {"get": _op("tenants", "The tenants this token may see (admin: all; a tenant: itself)",
                                    _json(_obj({"tenants": {"type": "array", "items": _ref("Tenant")}}), "tenants"),
                                    ("401",), token=True)},
@@ -167,16 +169,16 @@ def _paths() -> dict[str, Any]:
                 _param("tier", "query", _TIER, "only blocks with a copy in this tier"),
                 _param("limit", "query", {"type": "integer", "minimum": 1, "maximum": MAX_PAGE,
                                           "default": DEFAULT_PAGE}, "page size"),
-                _param("cursor", "query", _STR, "next_cursor of the previous page (opaque)")])},
+                _param("cursor", "query", _STR, "next_cursor of the previous page (opaque)")], read=True)},
         "/v1/blocks/{ns}/{hash}": {
             "get": _op("block", "One block: decoded header, tiers, size, hits, age",
-                       _json_ok("BlockDetail", "the block"), ("400", "401", "404"), params=_BLOCK_PARAMS),
+                       _json_ok("BlockDetail", "the block"), ("400", "401", "404"), params=_BLOCK_PARAMS, read=True),
             "delete": _op("delete_block", "Remove a block from every tier", _json_ok("Deleted", "removed"),
                           ("400", "401", "404"), params=_BLOCK_PARAMS, token=True),
         },
         "/v1/lookup": {"post": _op("lookup", "Hit tokens per tier for a prompt's token ids",
                                    _json_ok("LookupResult", "the stored prefix"), ("400", "401", "404", "413"),
-                                   body="LookupRequest", params=[_TENANT])},
+                                   body="LookupRequest", params=[_TENANT], read=True)},
         "/v1/clear": {"post": _op("clear", "Remove every block of a namespace", _json_ok("Cleared", "removed"),
                                   ("400", "401", "404", "413"), body="ClearRequest", token=True, params=[_TENANT])},
         "/v1/check": {"post": _op("check", "Audit the index against the tiers, optionally repairing",
@@ -185,7 +187,7 @@ def _paths() -> dict[str, Any]:
         "/v1/events": {"get": _op("events", "KV events as server-sent events (one JSON object per data line)",
                                   {"description": "an endless event stream",
                                    "content": {"text/event-stream": {"schema": _STR}}}, ("401", "404"),
-                                  params=[_TENANT])},
+                                  params=[_TENANT], read=True)},
         "/metrics": {"get": _op("metrics", "Prometheus text exposition",
                                 {"description": "metrics", "content": {"text/plain": {"schema": _STR}}})},
         "/openapi.json": {"get": _op("openapi", "This document",

@@ -73,9 +73,16 @@ async def test_openapi_document_is_valid_and_complete(tmp_path):
         _resolve(doc, ref)
     # every route is documented, and nothing else is
     assert documented == app_routes
-    mutating = {(m, p) for p, item in doc["paths"].items() for m, op in item.items() if "security" in op}
-    assert mutating == {("delete", "/v1/blocks/{ns}/{hash}"), ("post", "/v1/clear"), ("post", "/v1/check"),
-                        ("get", "/v1/tenants")}
+    needs = {(m, p): op.get("security") for p, item in doc["paths"].items() for m, op in item.items()}
+    always = {k for k, sec in needs.items() if sec == [{"bearer": []}]}
+    assert always == {("delete", "/v1/blocks/{ns}/{hash}"), ("post", "/v1/clear"), ("post", "/v1/check"),
+                      ("get", "/v1/tenants")}
+    # Reads of the store: a token unless rest.public_reads (an empty requirement: anonymous allowed).
+    reads = {k for k, sec in needs.items() if sec == [{"bearer": []}, {}]}
+    assert reads == {("get", "/v1/stats"), ("get", "/v1/tiers"), ("get", "/v1/namespaces"), ("get", "/v1/blocks"),
+                     ("get", "/v1/blocks/{ns}/{hash}"), ("post", "/v1/lookup"), ("get", "/v1/events")}
+    assert {k for k, sec in needs.items() if sec is None} == {
+        ("get", "/v1/health"), ("get", "/v1/ready"), ("get", "/metrics"), ("get", "/openapi.json")}
 
 
 _TYPES = {"object": lambda v: isinstance(v, dict), "array": lambda v: isinstance(v, list),

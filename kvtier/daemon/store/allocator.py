@@ -25,7 +25,8 @@ partly used slab of the class. Carving or returning a slab scans the segments' f
 
 from __future__ import annotations
 
-from bisect import bisect_left, insort
+from bisect import bisect_left, bisect_right, insort
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvtier_protocol.errors import CapacityError, InvalidRequest
@@ -96,6 +97,23 @@ class _FreeExtents:
         insort(self.starts, offset)
         self.length_at[offset] = length
         self.start_of_end[offset + length] = offset
+
+    def take_range(self, offset: int, length: int) -> bool:
+        """Carve ``[offset, offset + length)`` out of the free extent holding it, wherever it lies
+        in it; False (nothing changed) when no free extent holds all of it."""
+        i = bisect_right(self.starts, offset) - 1
+        if i < 0:
+            return False
+        start = self.starts[i]
+        have = self.length_at[start]
+        if start + have < offset + length:
+            return False
+        self.take(start, have)
+        if offset > start:
+            self.add(start, offset - start)
+        if start + have > offset + length:
+            self.add(offset + length, start + have - offset - length)
+        return True
 
     def take(self, offset: int, length: int) -> None:
         """Carve ``length`` bytes from the start of the free extent at ``offset``."""
@@ -245,6 +263,60 @@ class SlabAllocator:
         slab.free.append((slot.offset - slab.offset) // slab.slot_bytes)
         if len(slab.free) == slab.num_slots:
             self._drop_slab(slab)
+
+    def adopt(self, slots: Sequence[Slot]) -> list[bool]:
+        """Mark ``slots`` handed out, where a previous allocator over the same segments put them
+        (a host tier adopted after a crash: :mod:`kvtier.daemon.store.host`). Only before the
+        first allocation. Each slot gets its size class, as :meth:`allocate` would have given it;
+        runs of adjacent slots of one class become one (full) slab, a larger slot its dedicated
+        extent. Per slot, whether it was taken: not when it lies outside the segments, is
+        misaligned, or overlaps a slot taken before it (in offset order).
+        """
+        assert not self._live and not self._slabs, "adopt() fills an allocator that handed nothing out"
+        ok = [False] * len(slots)
+        run: list[int] = []  # indices of the adjacent same-class slots of the slab being formed
+
+        def close_run() -> None:
+            if not run:
+                return
+            first = slots[run[0]]
+            cb = self.size_class(first.length)
+            slab = _Slab(first.segment, first.offset, cb, len(run), [])
+            self._slabs[(first.segment, first.offset)] = slab
+            self._class_bytes[cb] = self._class_bytes.get(cb, 0) + slab.nbytes
+            self._reserved += slab.nbytes
+            for i in run:
+                s = slots[i]
+                self._live[(s.segment, s.offset)] = _Live(slab, cb, s.length)
+                self._allocated += cb
+                self._requested += s.length
+                ok[i] = True
+            run.clear()
+
+        for i in sorted(range(len(slots)), key=lambda j: (slots[j].segment, slots[j].offset)):
+            s = slots[i]
+            if not (0 <= s.segment < len(self.segment_sizes) and s.offset % self.alignment == 0
+                    and s.length > 0 and self.can_ever_fit(s.length)):
+                continue
+            cb = self.size_class(s.length)
+            if not self._free[s.segment].take_range(s.offset, cb):
+                continue  # overlaps a slot taken already, or runs past the segment's end
+            if cb > self.slab_bytes:
+                close_run()
+                self._reserved += cb
+                self._live[(s.segment, s.offset)] = _Live(None, cb, s.length)
+                self._allocated += cb
+                self._requested += s.length
+                ok[i] = True
+                continue
+            if run:
+                last = slots[run[-1]]
+                if not (last.segment == s.segment and self.size_class(last.length) == cb
+                        and last.offset + cb == s.offset):
+                    close_run()
+            run.append(i)
+        close_run()
+        return ok
 
     def _allocate_extent(self, nbytes: int, cb: int) -> Slot | None:
         found = self._best_fit(cb)

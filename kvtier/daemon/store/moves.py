@@ -31,6 +31,8 @@ from kvtier.daemon.store.stats import EventKind, EventLog, StoreCounters, StoreE
 from kvtier.daemon.store.transfers import gpu_snapshot_verified, gpu_to_host, snapshot_verified
 from kvtier.daemon.store.types import NS_ID_LEN, BlockKey, Slot, Tier
 
+_HOST_TIER, _STORED_KIND = Tier.HOST, EventKind.STORED  # module constants: emit runs per block
+
 if TYPE_CHECKING:
     from kvtier.daemon.store.gpu import GpuTier
 
@@ -61,6 +63,11 @@ class Mover:
         return await asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(fn, *args))
 
     def emit(self, kind: EventKind, tier: Tier, meta: BlockMeta) -> None:
+        """Announce a copy stored or removed. A host copy announced STORED has become visible
+        (commit, demotion from GPU, promotion from disk): it is journaled here, for a restart
+        after a crash (:mod:`kvtier.daemon.store.host_journal`)."""
+        if tier is _HOST_TIER and kind is _STORED_KIND:
+            self.host.journal_commit(meta.host_slot, meta.priority, meta.header)  # type: ignore[arg-type]
         events = self.events
         if events.enabled:
             key = meta.key  # split_key, inline: this runs per block stored and removed
@@ -192,11 +199,14 @@ class Mover:
                 for tier in MEMORY_TIERS:
                     if meta.in_tier(tier):
                         self.emit(EventKind.REMOVED, tier, meta)
+                if meta.host_slot is not None:
+                    self.host.journal_forget(meta.host_slot)  # deleted now, freed with its last lease
                 self.index.unlink(meta)
                 self.zombies.add(meta)
             else:
                 self.free_memory(meta)
             assert not meta.linked, "removed blocks are unreachable"
+        self.host.journal_flush()  # a deleted block never comes back after a crash
 
     # --- copies out of memory ------------------------------------------------------------------
 

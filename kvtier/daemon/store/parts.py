@@ -10,7 +10,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvtier_protocol.errors import KVTierError
@@ -21,6 +21,7 @@ from kvtier.daemon.store.disk import DiskTier
 from kvtier.daemon.store.disk_ram import ram_budget
 from kvtier.daemon.store.flush import persist_at_close
 from kvtier.daemon.store.host import HostTier
+from kvtier.daemon.store.host_recovery import HostRecovery, adopt_host_blocks
 from kvtier.daemon.store.index import BlockIndex, BlockMeta
 from kvtier.daemon.store.lease import LeaseTable
 from kvtier.daemon.store.moves import Mover
@@ -59,6 +60,7 @@ class Shared:
     admission: AdmissionFilter[BlockKey]
     leases: LeaseTable[BlockMeta]
     now: Callable[[], float]
+    recovery: list[HostRecovery | None] = field(default_factory=list)  # what open_parts adopted, once
 
 
 async def open_parts(cfg: StoreConfig, shared: Shared) -> StoreParts:
@@ -86,8 +88,11 @@ async def open_parts(cfg: StoreConfig, shared: Shared) -> StoreParts:
             if disk.repair is not None:
                 shared.counters.disk_meta_rebuilds += 1
         gone = frozenset([disk.previous_owner]) if disk is not None and disk.previous_owner else frozenset()
+        # The host tier keeps its segment directory beside the disk tier's owner lock, so a daemon
+        # restarted after a crash adopts the segments the dead one left (host_recovery).
         host = HostTier(cfg.host_bytes, segment_bytes=cfg.segment_bytes, name_prefix=cfg.host_name_prefix,
-                        prefault=cfg.host_prefault, pin=cfg.host_pin, gone_pids=gone)
+                        prefault=cfg.host_prefault, pin=cfg.host_pin, gone_pids=gone,
+                        state_dir=disk.path if disk is not None else None)
         # The allocators round capacities down to whole pages / alignments: account against what exists.
         index.capacity[Tier.HOST] = min(cfg.host_bytes, host.capacity)
         if cfg.gpu_bytes:
@@ -101,6 +106,7 @@ async def open_parts(cfg: StoreConfig, shared: Shared) -> StoreParts:
                            BlockReader(index, mover, shared.leases, shared.counters, shared.now))
         if disk is not None:
             await rebuild_index(mover, shared.now())
+        shared.recovery.append(await adopt_host_blocks(mover, shared.now()))
         return parts
     except BaseException:
         if disk is not None:

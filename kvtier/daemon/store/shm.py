@@ -41,7 +41,8 @@ def unique_name(prefix: str) -> str:
     return check_name(f"{prefix}-{os.getpid()}-{secrets.token_hex(_RANDOM_BYTES)}")
 
 
-def reclaim_stale(prefix: str, gone: frozenset[int] = frozenset()) -> list[tuple[str, int]]:
+def reclaim_stale(prefix: str, gone: frozenset[int] = frozenset(),
+                  keep: frozenset[str] = frozenset()) -> list[tuple[str, int]]:
     """Unlink the segments named ``prefix-PID-…`` (:func:`unique_name`) whose process is gone.
 
     A daemon killed with SIGKILL (the OOM killer, say) cannot unlink its segments, and /dev/shm is
@@ -56,7 +57,8 @@ def reclaim_stale(prefix: str, gone: frozenset[int] = frozenset()) -> list[tuple
     Returns:
         ``(name, bytes)`` of each segment removed.
     """
-    pattern = re.compile(re.escape(prefix) + rf"-(\d+)-[0-9a-f]{{{2 * _RANDOM_BYTES}}}")  # unique_name's
+    # unique_name's, and the journal (and its rewrite's temp file) named after a segment
+    pattern = re.compile(re.escape(prefix) + rf"-(\d+)-[0-9a-f]{{{2 * _RANDOM_BYTES}}}(\.journal(\.tmp)?)?")
     removed = []
     try:
         names = os.listdir(SHM_DIR)
@@ -64,7 +66,7 @@ def reclaim_stale(prefix: str, gone: frozenset[int] = frozenset()) -> list[tuple
         return removed
     for name in names:
         m = pattern.fullmatch(name)
-        if m is None or (int(m.group(1)) not in gone and _alive(int(m.group(1)))):
+        if m is None or name in keep or (int(m.group(1)) not in gone and _alive(int(m.group(1)))):
             continue
         path = os.path.join(SHM_DIR, name)
         try:
@@ -130,6 +132,40 @@ def create_segment(name: str, size: int) -> int:
         unlink_segment(name)
         raise StorageError(f"cannot size shared-memory segment {path} to {size} bytes: {e}") from e
     return fd
+
+
+def create_file(name: str) -> int:
+    """Create or truncate the small file ``name`` in /dev/shm (mode 0600); returns its fd.
+
+    Raises:
+        OSError: /dev/shm refused it.
+    """
+    fd = os.open(segment_path(name), os.O_CREAT | os.O_TRUNC | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    os.fchmod(fd, 0o600)
+    return fd
+
+
+def rename_segment(old: str, new: str) -> None:
+    """Rename a segment's file (atomic on tmpfs); descriptors and mappings stay valid.
+
+    Raises:
+        OSError: ``old`` is missing.
+    """
+    os.rename(segment_path(old), segment_path(new))
+
+
+def open_segment(name: str) -> tuple[int, int]:
+    """Open an existing segment read-write: ``(fd, size)``.
+
+    Raises:
+        OSError: it does not exist or cannot be opened.
+    """
+    fd = os.open(segment_path(name), os.O_RDWR | os.O_CLOEXEC)
+    try:
+        return fd, os.fstat(fd).st_size
+    except OSError:
+        os.close(fd)
+        raise
 
 
 def unlink_segment(name: str) -> None:

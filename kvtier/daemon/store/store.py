@@ -35,6 +35,7 @@ from kvtier.daemon.store.audit import audit
 from kvtier.daemon.store.config import StoreConfig
 from kvtier.daemon.store.disk import DiskTier
 from kvtier.daemon.store.host import HostTier
+from kvtier.daemon.store.host_recovery import HostRecovery
 from kvtier.daemon.store.index import TIERS, BlockIndex, BlockMeta
 from kvtier.daemon.store.lease import Lease, LeaseKind, LeaseTable
 from kvtier.daemon.store.moves import MEMORY_TIERS, Mover
@@ -82,6 +83,8 @@ class TieredStore:
         self._parts: StoreParts | None = None
         self._scrubber: CommitScrubber | None = None
         self._started = False
+        # What start() adopted of the host tier a crashed daemon left (None: fresh segments).
+        self.host_recovery: HostRecovery | None = None
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -97,6 +100,7 @@ class TieredStore:
         self._started = True
         shared = Shared(self.index, self._counters, self._events, self._admission, self._leases, self.now)
         self._parts = await open_parts(self.config, shared)
+        self.host_recovery = shared.recovery[0] if shared.recovery else None
         if self.config.scrub_commits:
             self._scrubber = CommitScrubber(self.index, self._parts.mover, self._counters, self._mutex)
             self._scrubber.start()

@@ -155,6 +155,7 @@ class BlockWriter:
                     self._announce(meta)
                 else:
                     self.abandon(meta)
+        self.mover.host.journal_flush()  # before the commit is acknowledged
         return ok
 
     def _commit_trusted(self, lease: Lease[BlockMeta], headers: Sequence[bytes | None],
@@ -174,6 +175,7 @@ class BlockWriter:
             commit_reserved(meta, bytes(buf), h.parent_hash, h.num_tokens, h.checksum, now, checked=checked)
             ok[i] = True
             self._announce(meta)
+        self.mover.host.journal_flush()  # before the commit is acknowledged
         return ok
 
     def _announce(self, meta: BlockMeta) -> None:

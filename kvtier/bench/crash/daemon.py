@@ -114,18 +114,22 @@ class CrashDaemon:
         return was_alive
 
     def reap(self, timeout_s: float = 30.0) -> int | None:
-        """Wait for the process to end, unlink the shared memory it left; returns its exit status."""
+        """Wait for the process to end; returns its exit status."""
         daemon, self._daemon = self._daemon, None
         if daemon is None or daemon.proc is None:
             return None
-        proc = daemon.proc
-        rc = proc.wait(timeout_s)
-        for path in glob.glob(f"/dev/shm/{self.prefix}-{proc.pid}-*"):
+        # The shared memory a killed daemon leaves stays: the next life adopts it (the host tier
+        # survives a crash) or removes it; cleanup() removes what the last life left.
+        return daemon.proc.wait(timeout_s)
+
+    def cleanup(self) -> None:
+        """Remove the shared memory of every life (the end of a run; a live daemon is killed first)."""
+        self.kill()
+        for path in glob.glob(f"/dev/shm/{self.prefix}-*"):
             try:
-                os.unlink(path)  # a killed daemon cannot unlink its host segments
+                os.unlink(path)
             except FileNotFoundError:
                 pass
-        return rc
 
     def stop(self) -> None:
         """A clean stop (SIGTERM: drain, flush memory blocks, close RocksDB)."""

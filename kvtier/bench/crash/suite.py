@@ -21,6 +21,13 @@ compaction   write-through each recovery writes one L0 file per column family, a
                            while the writer saves and deletes
 ===========  ============  =====================================================================
 
+Then the **host-tier phase** (``--host-kills``, 50; ``--quick`` 5): write-back (the default), a
+host tier large enough that nothing is evicted, a writer saving batches; the daemon is SIGKILLed
+after a random number of commits, at a random moment (inside a commit, a reserve or a copy).
+Blocks whose commit returned live only in host memory; the next daemon adopts the dead one's
+shared-memory segments and must serve >= 99 % of them again, byte-identical (a block the dead
+daemon had committed but whose answer the writer never read is not counted either way).
+
 The step each kill actually landed in is recorded (the writer reads its own step under the lock
 it kills under; /proc is read just before the kill) and reported next to the one aimed at.
 
@@ -47,6 +54,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +71,8 @@ KIB, MIB = 1 << 10, 1 << 20
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kills", type=int, default=None, help="SIGKILLs to deliver (default 50; --quick 6)")
+    parser.add_argument("--host-kills", type=int, default=None,
+                        help="SIGKILLs of the host-tier phase (default 50; --quick 5; 0 skips it)")
     parser.add_argument("--phases", default=",".join(PHASES),
                         help=f"steps to aim the kills at, in turn (default {','.join(PHASES)})")
     parser.add_argument("--block-kib", type=int, default=64, help="payload KiB per block (default 64)")
@@ -90,15 +100,17 @@ class CrashRun:
         self.cycle = 0
         self.close_estimate_s = 0.3
         self.unjudged = 0  # kills since the last checks; the next checks decide whether they were survived
+        self.host_held: list[tuple[int, int]] = []  # committed into host by the life just killed: check next
         self.broken = False  # the daemon did not start: the run ends
 
     # --- the loop ------------------------------------------------------------------------------
 
-    def run(self, kills: int, phases: list[str]) -> Tally:
+    def run(self, kills: int, phases: list[str], host_kills: int = 0) -> Tally:
         t = self.tally
-        progress(f"crash: seed {self.seed}, {kills} kills aimed at {', '.join(phases)} in turn, in {self.work}")
+        progress(f"crash: seed {self.seed}, {kills} kills aimed at {', '.join(phases)} in turn, "
+                 f"{host_kills} at the host tier, in {self.work}")
         turn = 0
-        while t.kills < kills and not self.broken:
+        while t.kills < kills and not self.broken and phases:
             phase = phases[turn % len(phases)]
             turn += 1
             if phase == "compaction":
@@ -110,6 +122,8 @@ class CrashRun:
             if turn > 3 * kills + 10:
                 t.anomalies.append("too many lives ended without a kill")
                 break
+        while t.host_kills < host_kills and not self.broken:
+            self.aim_at_host()
         if not self.broken:
             writer = self.begin("final", "through")
             if writer is not None:
@@ -143,6 +157,30 @@ class CrashRun:
             self.daemon.kill()  # the writer ended first
         self.daemon.reap()
         self.record(phase, steps[0] if steps else "after the writer ended")
+
+    def aim_at_host(self) -> None:
+        """Write-back into a host tier that evicts nothing; SIGKILL after a random number of
+        committed batches (the next start checks that the committed blocks are served again)."""
+        writer = self.begin("host", "back", warmup=0)
+        if writer is None:
+            return
+        self.go(writer)
+        out: Path = writer.out  # type: ignore[attr-defined]
+        batches = self.rng.randint(1, 6)
+        deadline = time.monotonic() + 60.0
+        while time.monotonic() < deadline and writer.poll() is None:
+            if out.read_text(errors="replace").count('"held"') >= batches:
+                break
+            time.sleep(0.002)  # the writer's own pace: a few ms a batch
+        time.sleep(self.rng.uniform(0.0, 0.02))  # a random moment of the next batch
+        self.daemon.kill()
+        self.wait(writer)
+        lines = self.collect(writer)
+        self.host_held = [(self.cycle, i) for x in lines for i in x.get("held", ())]
+        if not self.host_held:
+            self.tally.anomalies.append(f"the host-tier writer committed nothing before the kill: {lines[-3:]}")
+        self.tally.host_kills += 1
+        self.record("host", "host (write-back)")
 
     def aim_at_flush(self) -> None:
         """SIGTERM with host-only blocks, SIGKILL while the close writes them down (up to 3 lives
@@ -238,6 +276,12 @@ class CrashRun:
             acked = sorted(self.acked)
             got = link.check_served(acked, self.nbytes)
             others = link.check_served(sorted(self.attempted - self.acked), self.nbytes)
+            host, self.host_held = self.host_held, []
+            if host:  # the host-tier phase's life just killed: its committed blocks, again
+                back = link.check_served(host, self.nbytes)
+                t.host_committed += len(host)
+                t.host_recovered += back.intact
+                t.bad |= set(back.bad)
         finally:
             link.close()
         lost = set(got.missing) | set(got.bad)
@@ -275,6 +319,8 @@ class CrashRun:
             self.tally.anomalies.append(f"kvtier check exited {done.returncode}: {done.stdout}{done.stderr}")
 
     def host_bytes(self, phase: str) -> int:
+        # "host" and "final" share one size, so the final start adopts the last host-tier life's
+        # segments (a life of another size removes them instead).
         if phase == "demotion":
             return 16 * self.nbytes  # full after two batches: every later reserve demotes
         return max(16 * MIB, 64 * self.nbytes)
@@ -337,17 +383,18 @@ class CrashRun:
 
 
 def run(args: argparse.Namespace) -> SuiteResult:
-    kills = args.kills or (6 if args.quick else 50)
+    kills = args.kills if args.kills is not None else (6 if args.quick else 50)
+    host_kills = args.host_kills if args.host_kills is not None else (5 if args.quick else 50)
     phases = [p.strip() for p in args.phases.split(",") if p.strip()]
     unknown = sorted(set(phases) - set(PHASES))
-    if unknown or not phases:
+    if unknown or (not phases and kills):
         raise SystemExit(f"kvtier bench crash: unknown phases {unknown}; choose from {', '.join(PHASES)}")
     work = Path(tempfile.mkdtemp(prefix="kvtier-bench-crash-", dir=args.work_dir))
     crash = CrashRun(args, work)
     try:
-        t = crash.run(kills, phases)
+        t = crash.run(kills, phases, host_kills)
     finally:
-        crash.daemon.kill()
+        crash.daemon.cleanup()
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
     for a in t.anomalies:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from kvtier.bench.report import Row
 
 PHASES = ("reserve", "copy", "commit", "place", "demotion", "flush", "compaction")
+HOST_PHASE = "host"  # the host-tier phase: its own kill count (--host-kills), not among --phases
 
 
 @dataclass(slots=True)
@@ -30,13 +31,16 @@ class Tally:
     final_acked: int = 0
     final_intact: int = 0
     cli_check_rc: int | None = None
+    host_kills: int = 0  # kills of the host-tier phase (write-back, blocks only in host memory)
+    host_committed: int = 0  # blocks a commit had acknowledged into host memory before those kills
+    host_recovered: int = 0  # of those, served again (byte-identical) after the restart
 
 
 def hit(aimed: str, step: str) -> bool:
     """Whether a kill aimed at ``aimed`` landed inside it (not just after it, nor elsewhere)."""
     if aimed == "demotion":
         return step == "reserve"
-    if aimed in ("flush", "compaction"):
+    if aimed in ("flush", "compaction", HOST_PHASE):
         return step.startswith(aimed)
     return step == aimed
 
@@ -56,7 +60,10 @@ def rows(t: Tally) -> list[Row]:
         row("served blocks intact", "blocks", t.served - len(t.bad), "blocks served", t.served),
         row("runs without anomaly", "runs", int(not t.anomalies), "runs", 1),
     ]
-    for phase in PHASES:
+    if t.host_kills:
+        out.append(row("host tier: committed blocks served again after kill -9", "blocks", t.host_recovered,
+                       "blocks committed into host memory (write-back)", t.host_committed))
+    for phase in (*PHASES, HOST_PHASE):
         if t.aimed[phase]:
             out.append(row(f"kills landed in {phase}", "kills", t.hit[phase], "kills aimed", t.aimed[phase]))
     return out

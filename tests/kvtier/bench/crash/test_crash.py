@@ -28,7 +28,7 @@ def _args(tmp_path, **over: object) -> argparse.Namespace:
 
 
 def test_six_kills_lose_no_acknowledged_block_and_serve_no_bad_one(tmp_path, capsys):
-    args = _args(tmp_path, kills=6, phases="reserve,copy,commit,place,demotion,flush", seed=7)
+    args = _args(tmp_path, kills=6, phases="reserve,copy,commit,place,demotion,flush", seed=7, host_kills=0)
     result = crash.run(args)
     rows = {r.case: r for r in result.rows}
 
@@ -47,3 +47,20 @@ def test_six_kills_lose_no_acknowledged_block_and_serve_no_bad_one(tmp_path, cap
     emit([result], json_path=str(out))
     doc = json.loads(out.read_text())
     assert doc["suite"] == "crash" and {r["case"] for r in doc["rows"]} == set(rows)
+
+
+def test_five_kills_under_write_back_keep_the_host_tier(tmp_path, capsys):
+    """The host-tier phase as CI runs it (``--quick``: 5 kills): write-back, blocks only in host
+    memory, SIGKILL; each restart adopts the dead daemon's segments and serves >= 99 % of the
+    committed blocks again, byte-identical, and never a wrong one."""
+    args = _args(tmp_path, kills=0, seed=5)  # --quick's host-tier kills: 5
+    result = crash.run(args)
+    rows = {r.case: r for r in result.rows}
+    host = rows["host tier: committed blocks served again after kill -9"]
+    err = capsys.readouterr().err[-3000:]
+    assert host.baseline > 0 and host.kvtier >= 0.99 * host.baseline, err
+    assert rows["kills survived"].baseline == 5 and rows["kills survived"].kvtier == 5, err
+    served = rows["served blocks intact"]
+    assert served.baseline > 0 and served.kvtier == served.baseline, err
+    assert rows["runs without anomaly"].kvtier == 1, err
+    assert rows["kills landed in host"].kvtier == 5

@@ -13,6 +13,12 @@ Integer sections (MLA: P = 1, H = 1, D = C - rope_dims, and a raw ``rope`` secti
     scales   for l: for part: [H][G][D] ("channel") or [H][T][G] ("token"), scale_dtype LE
     mins     the same order and dtype as scales
 
+Two implementations write the same bytes: the C loops of ``kvtier_protocol._codecs`` (built by
+setup.py where a C compiler exists; :data:`NATIVE` says whether it loaded) run for CPU tensors of
+float32, bfloat16 and float16, and this module's torch path for everything else (CUDA, fp8
+sources) and as the reference (``native=False``). tests/protocol/test_codecs_native.py compares
+the two byte for byte.
+
 This implementation assumes a little-endian host (bytes are the wire's little-endian order).
 """
 
@@ -29,7 +35,16 @@ from kvtier_protocol.codec_plan import CODECS, CodecPlan, default_quant, plan_co
 from kvtier_protocol.errors import CodecError
 from kvtier_protocol.quant import QuantParams
 
-__all__ = ["CODECS", "Encoded", "decode", "default_quant", "encode", "section_lengths"]
+try:
+    from kvtier_protocol import _codecs
+except ImportError:  # not built: no C compiler at install time, or another interpreter
+    _codecs = None
+
+__all__ = ["CODECS", "NATIVE", "Encoded", "decode", "default_quant", "encode", "section_lengths"]
+
+NATIVE: bool = _codecs is not None
+"""True when the C loops of ``kvtier_protocol._codecs`` are available."""
+_NATIVE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 FP8_MAX = 448.0
 """Largest finite float8_e4m3fn value."""
@@ -149,7 +164,8 @@ def _fits_fp16(scales: Sequence[torch.Tensor], mins: Sequence[torch.Tensor]) -> 
     return True
 
 
-def encode(x: torch.Tensor, codec: str, quant: QuantParams | None = None, *, mla: bool = False) -> Encoded:
+def encode(x: torch.Tensor, codec: str, quant: QuantParams | None = None, *, mla: bool = False,
+           native: bool | None = None) -> Encoded:
     """Encode a canonical KV tensor into byte sections.
 
     Args:
@@ -157,6 +173,8 @@ def encode(x: torch.Tensor, codec: str, quant: QuantParams | None = None, *, mla
         codec: one of :data:`CODECS`.
         quant: codec parameters; ``None`` takes :func:`default_quant` (MLA: rope_dims 0).
         mla: whether ``x`` is an MLA latent.
+        native: ``None`` runs the C loops where they apply (:data:`NATIVE`, a CPU tensor of
+            float32/bfloat16/float16), ``False`` always the torch path; the bytes are the same.
 
     Raises:
         CodecError: bad codec/parameters/shape/dtype, NaN or Inf in ``x`` (quantizing codecs),
@@ -168,9 +186,12 @@ def encode(x: torch.Tensor, codec: str, quant: QuantParams | None = None, *, mla
     pl = plan_codec(codec, quant, tuple(x.shape), dtype, mla)
     if pl.quant is None:
         return Encoded([("payload", _bytes(x.detach()))], None)
-    xf = x.detach().to(torch.float32)
-    enc = _encode_fp8 if codec == "fp8_e4m3" else _encode_int
-    sections, quant = enc(pl, xf, pl.quant)
+    if _use_native(native, x.device, x.dtype):
+        sections, quant = _encode_native(pl, x.detach().contiguous(), pl.quant)
+    else:
+        xf = x.detach().to(torch.float32)
+        enc = _encode_fp8 if codec == "fp8_e4m3" else _encode_int
+        sections, quant = enc(pl, xf, pl.quant)
     if pl.R:
         sections.append(("rope", _bytes(x.detach()[:, :, pl.D:])))
     return Encoded(sections, quant)
@@ -250,11 +271,12 @@ def _load(buf: object, name: str, length: int) -> torch.Tensor:
 
 def decode(sections: Mapping[str, object], *, codec: str, quant: QuantParams | None,
            shape: Sequence[int], dtype: str, mla: bool = False,
-           device: str | torch.device = "cpu") -> torch.Tensor:
+           device: str | torch.device = "cpu", native: bool | None = None) -> torch.Tensor:
     """Decode byte sections into the canonical tensor (original shape and dtype) on ``device``.
 
     Every section length is checked against :func:`section_lengths` before anything is
-    allocated; the section names must be exactly the expected ones.
+    allocated; the section names must be exactly the expected ones. ``native`` as for
+    :func:`encode` (the C loops decode on the CPU; the bytes are the same).
 
     Raises:
         CodecError: bad parameters, missing/extra sections, wrong lengths, non-buffer input.
@@ -267,6 +289,8 @@ def decode(sections: Mapping[str, object], *, codec: str, quant: QuantParams | N
     tdt = getattr(torch, dtype)
     if pl.codec == "raw":
         return buf["payload"].view(tdt).reshape(pl.shape)
+    if _use_native(native, torch.device(device), tdt):
+        return _decode_native(pl, buf, tdt)
     parts = (_decode_fp8 if pl.codec == "fp8_e4m3" else _decode_int)(pl, buf)
     out = torch.empty(pl.shape, dtype=tdt, device=device)
     fmax = torch.finfo(tdt).max
@@ -306,3 +330,111 @@ def _decode_fp8(pl: CodecPlan, buf: dict[str, torch.Tensor]) -> list[torch.Tenso
         return [_grouped(codes[:, 0], dim, g, dequantize, (scale,))]
     scale = buf["scales"].view(torch.float32).reshape(pl.L, pl.P, pl.H, 1, 1)
     return [dequantize(codes[:, p], scale[:, p]) for p in range(pl.P)]
+
+
+# --- the C loops (kvtier_protocol._codecs) --------------------------------------------------------
+# Statistics and codes of each part come from C; the few per-group values in between (scales, the
+# float16 fall-back, the stored rounding) are computed by the same torch code as the reference
+# path, so the two paths share every rule and differ only in where the element loops run.
+
+
+def _use_native(native: bool | None, device: torch.device, dtype: torch.dtype) -> bool:
+    if native is None:
+        return _codecs is not None and device.type == "cpu" and dtype in _NATIVE_DTYPES
+    if native and (_codecs is None or device.type != "cpu" or dtype not in _NATIVE_DTYPES):
+        raise CodecError("the native codec path needs kvtier_protocol._codecs and a CPU tensor of "
+                         "float32, bfloat16 or float16")
+    return native
+
+
+def _geometries(pl: CodecPlan) -> tuple[list[tuple[int, ...]], int]:
+    """Each part of a canonical tensor as the C loops see it (L, H, T, D, base, sL, sH, sT, dim,
+    g, soff, sstride: element offsets into the contiguous tensor, then where the part's statistics
+    lie in a per-layer row of all parts'), and that row's length. MHA fp8 (one scale per layer, kv,
+    head) runs as one group of D channels per token: statistics ``[L][kv][H][T]``."""
+    groups = list(pl.groups) if pl.groups else [(3, pl.D)] * pl.P
+    counts = [math.prod(pl.stats_shape(p)[1:]) if pl.groups else pl.H * pl.T for p in range(pl.P)]
+    out, soff = [], 0
+    for p, ((dim, g), n) in enumerate(zip(groups, counts)):
+        if pl.mla:
+            C = pl.D + pl.R
+            geom = (pl.L, 1, pl.T, pl.D, 0, pl.T * C, 0, C)
+        else:
+            hd = pl.H * pl.T * pl.D
+            geom = (pl.L, pl.H, pl.T, pl.D, p * hd, 2 * hd, pl.T * pl.D, pl.D)
+        out.append((*geom, dim, g, soff, sum(counts)))
+        soff += n
+    return out, sum(counts)
+
+
+def _mv(t: torch.Tensor) -> memoryview:
+    return memoryview(t.numpy())
+
+
+def _encode_native(pl: CodecPlan, x: torch.Tensor, q: QuantParams) -> tuple[list, QuantParams]:
+    assert _codecs is not None, "checked by _use_native"
+    dt = _NATIVE_DTYPES[x.dtype]
+    src = memoryview(x.view(-1).view(torch.uint8).numpy())
+    fp8 = pl.codec == "fp8_e4m3"
+    geoms, per_layer = _geometries(pl)
+    lo = torch.empty(pl.L, per_layer)
+    hi = torch.empty(pl.L, per_layer) if not fp8 else lo
+    bad = False
+    for geom in geoms:
+        bad |= _codecs.stats(src, dt, *geom, fp8, _mv(lo), _mv(hi))
+    if bad:
+        raise CodecError("NaN or Inf in a block; quantizing codecs refuse it")
+    rows = pl.P * pl.H * pl.T
+    out = torch.empty(pl.L * rows * -(-pl.D * q.bits // 8), dtype=torch.uint8)  # C writes every byte
+    if fp8:
+        if pl.mla:
+            stored = lo / FP8_MAX
+            div = torch.where(stored > 0, stored, math.inf)
+        else:  # per (layer, kv, head): the largest of its tokens' maxima, repeated for each token
+            stored = lo.view(pl.L, pl.P, pl.H, pl.T).amax(3) / FP8_MAX
+            div = torch.where(stored > 0, stored, math.inf)[..., None].expand(-1, -1, -1, pl.T).contiguous()
+        for p, geom in enumerate(geoms):
+            _codecs.quantize(src, dt, *geom, 0, _mv(div), _mv(div), _mv(out), p * pl.H * pl.T, rows)
+        return [("payload", out), ("scales", _bytes(stored))], q
+    qmax = float((1 << q.bits) - 1)
+    scales = (hi - lo) / qmax
+    if not bool(torch.isfinite(scales).all()):
+        raise CodecError("value range of a group overflows float32")
+    if q.scale_dtype == "float16" and not _fits_fp16([scales], [lo]):
+        q = replace(q, scale_dtype="float32")  # recorded in the header: never a silent overflow
+    sdt = getattr(torch, q.scale_dtype)
+    # Codes are computed from the STORED scale and min, so a decoder reproduces the encoder's grid.
+    stored_s, stored_m = scales.to(sdt), lo.to(sdt)
+    s = stored_s.float()
+    div, mins = torch.where(s > 0, s, math.inf), stored_m.float()
+    for p, geom in enumerate(geoms):
+        _codecs.quantize(src, dt, *geom, q.bits, _mv(div), _mv(mins), _mv(out), p * pl.H * pl.T, rows)
+    return [("payload", out), ("scales", _bytes(stored_s)), ("mins", _bytes(stored_m))], q
+
+
+_FP8_TABLE = _fp8_to_float(torch.arange(256, dtype=torch.uint8)).contiguous()
+"""The torch path's value of every fp8 code (times 2^-8), so both paths multiply the same floats."""
+
+
+def _decode_native(pl: CodecPlan, buf: dict[str, torch.Tensor], tdt: torch.dtype) -> torch.Tensor:
+    assert _codecs is not None and pl.quant is not None, "checked by _use_native and plan_codec"
+    out = torch.empty(pl.shape, dtype=tdt)
+    dst = memoryview(out.view(-1).view(torch.uint8).numpy())
+    dt, fmax = _NATIVE_DTYPES[tdt], float(torch.finfo(tdt).max)
+    rows = pl.P * pl.H * pl.T
+    geoms, _ = _geometries(pl)
+    if pl.codec == "fp8_e4m3":
+        bits = 0
+        scales = buf["scales"].view(torch.float32)
+        if not pl.mla:  # one scale per (layer, kv, head), repeated for each token as the loops read it
+            scales = scales.reshape(pl.L, pl.P, pl.H, 1).expand(-1, -1, -1, pl.T).contiguous()
+        mins = scales
+    else:
+        bits, sdt = pl.quant.bits, getattr(torch, pl.quant.scale_dtype)
+        scales, mins = buf["scales"].view(sdt).float(), buf["mins"].view(sdt).float()
+    codes, table = _mv(buf["payload"]), _mv(_FP8_TABLE)
+    for p, geom in enumerate(geoms):
+        _codecs.dequantize(codes, bits, p * pl.H * pl.T, rows, _mv(scales), _mv(mins), table, dst, dt, fmax, *geom)
+    if pl.R:
+        out[:, :, pl.D:] = buf["rope"].view(tdt).reshape(pl.L, pl.T, pl.R)
+    return out

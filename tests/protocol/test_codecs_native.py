@@ -1,0 +1,139 @@
+"""The C loops of kvtier_protocol._codecs against the torch reference path: the same bytes.
+
+Every codec, every source dtype the C loops take (float32, bfloat16, float16), MHA and MLA
+(with and without rope dims), both axes, ragged groups, constant groups, the float32-scale
+fall-back, and decoding of random section bytes (garbage scales included). The golden vectors
+(test_vectors_blocks.py) decode through whichever path runs by default.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvtier.bench.codecs import synthetic_kv
+from kvtier_protocol import codecs
+from kvtier_protocol.codec_plan import CODEC_BITS, section_lengths
+from kvtier_protocol.codecs import decode, default_quant, encode
+from kvtier_protocol.errors import CodecError
+from kvtier_protocol.quant import QuantParams
+
+pytestmark = pytest.mark.skipif(not codecs.NATIVE, reason="kvtier_protocol._codecs is not built")
+
+QUANTIZING = ("int8", "int4", "int2", "fp8_e4m3")
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Bit-identical, except that NaNs compare as "is NaN" (SPEC 5.4: their bits are unspecified)."""
+    assert a.dtype == b.dtype and a.shape == b.shape
+    na, nb = torch.isnan(a.float()), torch.isnan(b.float())
+    assert torch.equal(na, nb)
+    ia = a.contiguous().view(torch.int32 if a.element_size() == 4 else torch.int16)
+    ib = b.contiguous().view(torch.int32 if b.element_size() == 4 else torch.int16)
+    assert torch.equal(ia[~na], ib[~nb])
+
+
+def _check(x: torch.Tensor, codec: str, quant: QuantParams | None = None, *, mla: bool = False) -> None:
+    ref = encode(x, codec, quant, mla=mla, native=False)
+    fast = encode(x, codec, quant, mla=mla, native=True)
+    assert ref.quant == fast.quant
+    assert [n for n, _ in ref.sections] == [n for n, _ in fast.sections]
+    for (name, a), (_, b) in zip(ref.sections, fast.sections):
+        assert torch.equal(a, b), f"{codec} {x.dtype} section {name} differs"
+    secs = {n: memoryview(bytes(t.numpy())) for n, t in ref.sections}
+    kw = dict(codec=codec, quant=ref.quant, shape=tuple(x.shape), dtype=_name(x.dtype), mla=mla)
+    _same_tensor(decode(secs, **kw, native=False), decode(secs, **kw, native=True))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("codec", QUANTIZING)
+def test_mha_defaults(codec: str, dtype: torch.dtype) -> None:
+    for seed, (L, H, T, D) in enumerate([(2, 4, 64, 128), (3, 2, 16, 64), (1, 3, 37, 24)]):
+        _check(synthetic_kv(L, H, T, D, dtype=dtype, seed=seed), codec)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("codec", ("int8", "int4", "int2"))
+def test_mha_axes_and_ragged_groups(codec: str, dtype: torch.dtype) -> None:
+    bits = CODEC_BITS[codec]
+    x = synthetic_kv(2, 3, 37, 24, dtype=dtype, seed=7)
+    for k_axis, v_axis, kg, vg in [("token", "channel", 8, 12), ("channel", "channel", 4, 0),
+                                   ("token", "token", 0, 20), ("channel", "token", 64, 64)]:
+        _check(x, codec, QuantParams(bits, k_axis, v_axis, kg, vg, "float16"))
+        _check(x, codec, QuantParams(bits, k_axis, v_axis, kg, vg, "float32"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("codec", QUANTIZING)
+def test_mla(codec: str, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(3, 19, 40, generator=gen) * 3).to(dtype)
+    bits = CODEC_BITS[codec]
+    sdt = "float32" if codec == "fp8_e4m3" else "float16"
+    _check(x, codec, default_quant(codec, mla=True, rope_dims=8), mla=True)
+    _check(x, codec, default_quant(codec, mla=True), mla=True)
+    _check(x, codec, QuantParams(bits, "token", "token", 12, 12, sdt, 4), mla=True)
+    if codec != "fp8_e4m3":
+        _check(x, codec, QuantParams(bits, "channel", "token", 8, 8, sdt, 4), mla=True)
+
+
+@pytest.mark.parametrize("codec", QUANTIZING)
+def test_constant_groups_zeros_and_the_float32_fallback(codec: str) -> None:
+    x = synthetic_kv(2, 2, 32, 16, dtype=torch.float32, seed=1)
+    x[0, 1, 0, 3] = 5.0  # a constant V token (per-token groups: scale 0)
+    x[1, 0, 1] = 0.0  # a whole K head of zeros (fp8 scale 0, int constant channels)
+    _check(x, codec)
+    _check(x.bfloat16(), codec)
+    big = x * 1e6  # scales above float16's range: the whole block falls back to float32 scales
+    _check(big, codec)
+    if codec != "fp8_e4m3":
+        assert encode(big, codec, native=True).quant.scale_dtype == "float32"
+    tiny = x * 1e-9  # float16-subnormal scales: also the fall-back
+    _check(tiny, codec)
+    _check(x.half() * 1000, codec)  # float16 values near the top of the range
+
+
+@pytest.mark.parametrize("codec", QUANTIZING)
+@pytest.mark.parametrize("bad", (math.nan, math.inf, -math.inf))
+def test_non_finite_input_is_refused_by_both(codec: str, bad: float) -> None:
+    x = synthetic_kv(1, 2, 16, 16, dtype=torch.bfloat16, seed=2)
+    x[0, 1, 1, 5, 7] = bad
+    for native in (False, True):
+        with pytest.raises(CodecError, match="NaN or Inf"):
+            encode(x, codec, native=native)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("codec", QUANTIZING)
+def test_decoding_random_bytes(codec: str, dtype: torch.dtype) -> None:
+    """Garbage sections (NaN and huge scales among them) decode alike on both paths, never to Inf."""
+    gen = torch.Generator().manual_seed(11)
+    for mla, shape in ((False, (2, 2, 3, 10, 24)), (True, (2, 9, 40))):
+        quant = default_quant(codec, mla=mla, rope_dims=8 if mla else 0)
+        if codec != "fp8_e4m3":
+            quant = QuantParams(quant.bits, quant.k_axis, quant.v_axis, quant.k_group, quant.v_group,
+                                "float32", quant.rope_dims)
+        secs = {n: memoryview(bytes(torch.randint(0, 256, (ln,), dtype=torch.uint8, generator=gen).numpy()))
+                for n, ln in section_lengths(codec, quant, shape, _name(dtype), mla)}
+        kw = dict(codec=codec, quant=quant, shape=shape, dtype=_name(dtype), mla=mla)
+        a, b = decode(secs, **kw, native=False), decode(secs, **kw, native=True)
+        _same_tensor(a, b)
+        assert not torch.isinf(b.float()).any()
+
+
+def test_native_false_and_unsupported_inputs() -> None:
+    x = synthetic_kv(1, 2, 16, 16, dtype=torch.bfloat16, seed=0)
+    with pytest.raises(CodecError, match="native codec path"):
+        encode(x.to(torch.float8_e4m3fn), "int8", native=True)
+    # fp8 sources take the torch path by default, and still decode
+    enc = encode(x.to(torch.float8_e4m3fn), "int8")
+    secs = {n: memoryview(t.numpy()) for n, t in enc.sections}
+    y = decode(secs, codec="int8", quant=enc.quant, shape=tuple(x.shape), dtype="float8_e4m3fn")
+    assert y.dtype == torch.float8_e4m3fn

@@ -30,6 +30,8 @@ FLAGS: tuple[tuple[str, str, str, str], ...] = (
     ("--topic", "events.topic", "TOPIC", "KV-event topic kv@<pod>@<model> (default: kv@<hostname>@kvtier)"),
     ("--token-file", "auth.token_file", "FILE", "file holding the token (default: DIR/token, generated 0600)"),
     ("--log-level", "daemon.log_level", "LEVEL", "debug, info, warning, error or critical (default: info)"),
+    ("--remote", "remote.url", "URL", "remote tier shared by many hosts: redis+cluster://HOST:PORT[,HOST:PORT...] "
+     "(rediss+cluster:// for TLS; default: off)"),
 )
 
 

@@ -1,4 +1,5 @@
-"""The service sections of the daemon's settings: ``[dataplane]``, ``[rest]``, ``[events]``, ``[auth]``.
+"""The service sections of the daemon's settings: ``[dataplane]``, ``[rest]``, ``[events]``, ``[auth]``,
+``[remote]``.
 
 Each is a frozen dataclass that checks its own fields when built (:class:`~kvtier.daemon.config.values.ConfigError`
 names the option). Torch-free.
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 
 from kvtier.daemon.config.values import (MIB, MIN_TOKEN_LEN, UNIX_PATH_MAX, ConfigError, hostport_option, positive,
                                          typed)
+from kvtier.daemon.remote.address import PREFIX, parse_cluster_url
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,3 +169,64 @@ class AuthConfig:
             raise ConfigError(f"auth.token must be text of at least {MIN_TOKEN_LEN} characters")
         if self.token_file is not None and not typed("auth.token_file", self.token_file, str):
             raise ConfigError("auth.token_file must be a path")
+
+
+REMOTE_WRITE_MODES = ("through", "back", "read-only")
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteConfig:
+    """The remote tier (issue 23): block records shared by many hosts through a Redis/Valkey Cluster.
+
+    Attributes:
+        url: seed nodes, ``redis+cluster://HOST:PORT[,HOST:PORT...]`` (``rediss+cluster://`` for
+            TLS); None: no remote tier.
+        user: ACL user (None: the default user). With tenants, give it ``~<key_prefix>:<tenant>:*``.
+        password_file: file whose first line is the password (never logged; None: no password).
+        tls_ca_file: CA bundle that signs the servers' certificates (TLS; None: the system's CAs).
+        write_mode: ``through`` (upload every committed block, in the background), ``back``
+            (upload host blocks when they are evicted) or ``read-only`` (never upload).
+        upload_queue_bytes: payload bytes waiting for upload at most; an upload beyond it is
+            dropped and counted (a save never waits on the network).
+        timeout_s: deadline of one call to the cluster (a fetch, an upload batch).
+        lookup_budget_ms: what a lookup may spend asking the cluster for the rest of a prefix;
+            then it answers with what it knows.
+        key_prefix: first part of every key: ``<key_prefix>:<tenant>:...``.
+    """
+
+    url: str | None = None
+    user: str | None = None
+    password_file: str | None = None
+    tls_ca_file: str | None = None
+    write_mode: str = "through"
+    upload_queue_bytes: int = 256 * MIB
+    timeout_s: float = 1.0
+    lookup_budget_ms: float = 10.0
+    key_prefix: str = "kvtier"
+
+    def __repr__(self) -> str:  # the password stays in its file; its path alone is shown
+        return (f"RemoteConfig(url={self.url!r}, user={self.user!r}, password_file={self.password_file!r}, "
+                f"write_mode={self.write_mode!r})")
+
+    def __post_init__(self) -> None:
+        if self.url is not None:
+            try:
+                parse_cluster_url(typed("remote.url", self.url, str))
+            except ValueError as e:
+                raise ConfigError(f"remote.url: {e}") from None
+        for name in ("user", "password_file", "tls_ca_file"):
+            value = getattr(self, name)
+            if value is not None and not typed(f"remote.{name}", value, str):
+                raise ConfigError(f"remote.{name} must not be empty")
+        if typed("remote.write_mode", self.write_mode, str) not in REMOTE_WRITE_MODES:
+            raise ConfigError(f"remote.write_mode must be one of {REMOTE_WRITE_MODES}, got {self.write_mode!r}")
+        positive("remote.upload_queue_bytes", self.upload_queue_bytes, zero=True)
+        positive("remote.timeout_s", self.timeout_s, number=True)
+        positive("remote.lookup_budget_ms", self.lookup_budget_ms, number=True)
+        if not PREFIX.fullmatch(typed("remote.key_prefix", self.key_prefix, str)):
+            raise ConfigError(f"remote.key_prefix must match {PREFIX.pattern}, got {self.key_prefix!r:.80}")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether a remote tier is configured."""
+        return self.url is not None

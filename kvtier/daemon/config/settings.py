@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvtier.daemon.config.sections import AuthConfig, DataPlaneConfig, EventsConfig, RestConfig
+from kvtier.daemon.config.sections import AuthConfig, DataPlaneConfig, EventsConfig, RemoteConfig, RestConfig
 from kvtier.daemon.config.tenants import TenantConfig, check_tenants
 from kvtier.daemon.config.values import ConfigError, positive, typed
 from kvtier.daemon.store.config import StoreConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+REMOTE_DEFAULT_TENANT = "default"
+"""The tenant part of the default store's remote keys (``<prefix>:default:...``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +34,7 @@ class DaemonConfig:
             (:mod:`kvtier.daemon.server.collector`); False leaves the interpreter's defaults.
         tenants: the tenants (:mod:`kvtier.daemon.config.tenants`), each with its own store; empty:
             one shared store.
+        remote: the remote tier shared by many hosts (off unless ``remote.url`` is set).
     """
 
     store: StoreConfig
@@ -44,6 +47,7 @@ class DaemonConfig:
     drain_timeout_s: float = 10.0
     gc_freeze: bool = True
     tenants: tuple[TenantConfig, ...] = ()
+    remote: RemoteConfig = RemoteConfig()
 
     def __post_init__(self) -> None:
         if not typed("daemon.data_dir", self.data_dir, str):
@@ -55,3 +59,7 @@ class DaemonConfig:
         typed("daemon.gc_freeze", self.gc_freeze, bool)
         if self.tenants != ():
             check_tenants(self.tenants, self.store, self.data_dir, self.auth.token)
+        if self.remote.enabled and any(t.name == REMOTE_DEFAULT_TENANT for t in self.tenants):
+            # The default store's remote keys are <prefix>:default:...; a tenant of that name would share them.
+            raise ConfigError(f"a tenant named {REMOTE_DEFAULT_TENANT!r} would share the default store's remote "
+                              "keys; rename it")

@@ -6,7 +6,7 @@ merges. Torch-free. Sources, highest precedence first::
     flags (kvtier serve --host-bytes ...)  >  KVTIER_* environment  >  TOML file  >  embedded defaults
 
 The TOML file has the sections ``[store]`` (the fields of :class:`~kvtier.daemon.store.config.StoreConfig`),
-``[dataplane]``, ``[rest]``, ``[events]``, ``[auth]``, ``[daemon]`` (``data_dir``, ``log_level``,
+``[dataplane]``, ``[rest]``, ``[events]``, ``[auth]``, ``[remote]``, ``[daemon]`` (``data_dir``, ``log_level``,
 ``drain_timeout_s``) and ``[tenants.<name>]`` (:mod:`kvtier.daemon.config.tenants`; file only);
 ``configs/kvtier.toml`` documents every option with its default. Unknown sections
 or keys are errors, so a typo never silently falls back to a default.
@@ -29,7 +29,7 @@ from dataclasses import fields
 from typing import Any
 
 from kvtier_protocol.address import default_data_dir, default_socket
-from kvtier.daemon.config.sections import AuthConfig, DataPlaneConfig, EventsConfig, RestConfig
+from kvtier.daemon.config.sections import AuthConfig, DataPlaneConfig, EventsConfig, RemoteConfig, RestConfig
 from kvtier.daemon.config.settings import DaemonConfig
 from kvtier.daemon.config.tenants import TenantConfig, parse_tenants
 from kvtier.daemon.config.values import GIB, ConfigError, parse_size, typed
@@ -41,13 +41,15 @@ DISK_BYTES_DEFAULT = 20 * GIB
 # --- the option table ------------------------------------------------------------------------
 
 SECTIONS: dict[str, type] = {"store": StoreConfig, "dataplane": DataPlaneConfig, "rest": RestConfig,
-                             "events": EventsConfig, "auth": AuthConfig, "daemon": DaemonConfig}
-_NESTED = ("store", "dataplane", "rest", "events", "auth", "tenants")  # fields that are not options
+                             "events": EventsConfig, "auth": AuthConfig, "remote": RemoteConfig, "daemon": DaemonConfig}
+_NESTED = ("store", "dataplane", "rest", "events", "auth", "tenants", "remote")  # fields that are not options
 SIZE_OPTIONS = frozenset({"store.host_bytes", "store.host_segment_bytes", "store.disk_bytes", "store.gpu_bytes",
                           "store.gpu_segment_bytes", "dataplane.max_payload_bytes",
-                          "dataplane.max_connection_buffer_bytes", "dataplane.max_buffer_bytes"})
+                          "dataplane.max_connection_buffer_bytes", "dataplane.max_buffer_bytes",
+                          "remote.upload_queue_bytes"})
 NULLABLE = frozenset({"dataplane.socket", "dataplane.listen", "rest.listen", "events.endpoint",
-                      "events.replay_endpoint", "auth.token"})
+                      "events.replay_endpoint", "auth.token", "remote.url", "remote.user", "remote.password_file",
+                      "remote.tls_ca_file"})
 """Options that take ``"off"`` (or ``""``) for None."""
 
 ENV_ALIASES: dict[str, str] = {
@@ -56,7 +58,7 @@ ENV_ALIASES: dict[str, str] = {
     "KVTIER_GPU_BYTES": "store.gpu_bytes", "KVTIER_SOCKET": "dataplane.socket",
     "KVTIER_LISTEN": "dataplane.listen", "KVTIER_REST": "rest.listen", "KVTIER_EVENTS": "events.endpoint",
     "KVTIER_REPLAY": "events.replay_endpoint", "KVTIER_TOPIC": "events.topic", "KVTIER_TOKEN": "auth.token",
-    "KVTIER_TOKEN_FILE": "auth.token_file",
+    "KVTIER_TOKEN_FILE": "auth.token_file", "KVTIER_REMOTE": "remote.url",
 }
 """Short environment names of the common options (each also has its ``KVTIER_S__K`` name)."""
 
@@ -235,6 +237,10 @@ def load_config(path: str | None = None, *, env: Mapping[str, str] = os.environ,
     auth = sections["auth"]
     if auth.get("token_file"):
         auth["token_file"] = os.path.abspath(os.path.expanduser(auth["token_file"]))
+    remote = sections["remote"]
+    for name in ("password_file", "tls_ca_file"):
+        if remote.get(name):
+            remote[name] = os.path.abspath(os.path.expanduser(remote[name]))
     if not sections["events"].get("topic"):
         sections["events"]["topic"] = default_topic()
     try:
@@ -243,4 +249,4 @@ def load_config(path: str | None = None, *, env: Mapping[str, str] = os.environ,
         raise ConfigError(f"store: {e}") from None
     return DaemonConfig(store=store_cfg, dataplane=DataPlaneConfig(**dp), rest=RestConfig(**sections["rest"]),
                         events=EventsConfig(**sections["events"]), auth=AuthConfig(**auth),
-                        data_dir=data_dir, **sections["daemon"], tenants=tenants)
+                        data_dir=data_dir, **sections["daemon"], tenants=tenants, remote=RemoteConfig(**remote))

@@ -33,6 +33,12 @@ kept for the operator), a new one is built from the headers of the block files (
 ones, where the free list tells them), the repair is logged and described in
 :attr:`DiskTier.repair`.
 
+Namespaces: the store saves each namespace it registers here (:meth:`DiskTier.save_namespace`,
+``ns:<ns_id>`` in ``meta``), and reads them back at open (:meth:`DiskTier.namespaces`), so a
+restarted daemon still knows the model and geometry of the blocks it keeps. A stored block's
+namespace that ``meta`` does not hold (metadata rebuilt from the block files, or written before
+namespaces were saved) is recovered at open from a header that carries ``ns_fields``, if any does.
+
 Who owns the directory: ``owner.lock`` (:class:`~kvtier.daemon.store.owner.OwnerLock`), taken
 before anything else and held until :meth:`DiskTier.close`; a second process is refused with
 one line naming the holder. Directories are made 0700 and files 0600, whatever the umask.
@@ -58,9 +64,12 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+import cbor2
+
 from kvtier_protocol.errors import KVTierError, StorageError
 from kvtier_protocol.header import decode_header, payload_checksum
 from kvtier_protocol.header_types import PREAMBLE_LEN
+from kvtier_protocol.namespace import NS_ID_LEN, Namespace
 
 from kvtier.daemon.store.disk_files import BlockFiles, Payload
 from kvtier.daemon.store.disk_io import ALIGN, BufferPool, copy_into, file_bytes
@@ -200,11 +209,57 @@ class DiskTier:
                 tally = self._tally()
             assert tally is not None, "tallied above, or after the rebuild"
             self._used, self._count, self._file_bytes, live = tally
+            self._load_namespaces()
             self._files.keep_free_bytes = self._free_budget()
             self._files.reclaim(live)
         except BaseException:
             self._meta.close()
             raise
+
+    def _load_namespaces(self) -> None:
+        """Read the saved namespaces (a damaged or foreign entry is dropped with a log line), then
+        recover those of stored blocks that ``meta`` lacks from headers carrying ``ns_fields``."""
+        self._namespaces: dict[bytes, Namespace] = {}
+        for ns_id, canonical in self._meta.namespaces().items():
+            ns = _namespace_from(canonical)
+            if ns is None or ns.ns_id != ns_id:
+                log.warning("kvtier disk tier %s: saved namespace %s is unreadable: dropped", self.path, ns_id.hex())
+                continue
+            self._namespaces[ns_id] = ns
+        found: dict[bytes, Namespace] = {}
+        for key, loc in self._meta.entries():
+            ns_id = key[:NS_ID_LEN]
+            if ns_id in self._namespaces or ns_id in found or b"ns_fields" not in loc.header:
+                continue
+            ns = _header_namespace(loc.header)
+            if ns is not None and ns.ns_id == ns_id:  # else a bad one: another header may do
+                found[ns_id] = ns
+        if found:
+            self._meta.put_namespaces([(ns_id, ns.canonical_bytes()) for ns_id, ns in found.items()])
+            self._namespaces.update(found)
+            log.info("kvtier disk tier %s: %d namespaces recovered from block headers", self.path, len(found))
+
+    def namespaces(self) -> list[Namespace]:
+        """The namespaces saved with this tier (:meth:`save_namespace`) or recovered at open."""
+        with self._lock:
+            return list(self._namespaces.values())
+
+    def save_namespace(self, ns: Namespace) -> bool:
+        """Save ``ns`` with the metadata, so that it is known again after a restart.
+
+        Returns:
+            True when it was new here (written), False when it was saved already.
+
+        Raises:
+            StorageError: the tier is closed, or RocksDB refused the write.
+        """
+        with self._lock:
+            self._check_open()
+            if ns.ns_id in self._namespaces:
+                return False
+            self._meta.put_namespaces([(ns.ns_id, ns.canonical_bytes())])
+            self._namespaces[ns.ns_id] = ns
+            return True
 
     def _tally(self) -> tuple[int, int, int, set[int]]:
         """One pass over the entries (meta only): record bytes, records, file bytes, file ids.
@@ -577,6 +632,23 @@ class DiskTier:
     def _check_open(self) -> None:
         if self._closed:
             raise StorageError("the disk tier is closed")
+
+
+def _namespace_from(canonical: bytes) -> Namespace | None:
+    """The namespace of canonical CBOR bytes (None: not a valid namespace)."""
+    try:
+        return Namespace.from_wire(cbor2.loads(canonical))
+    except (KVTierError, ValueError, TypeError, cbor2.CBORDecodeError):
+        return None
+
+
+def _header_namespace(header: bytes) -> Namespace | None:
+    """The namespace a record header carries in ``ns_fields`` (None: none, or not valid)."""
+    try:
+        fields = decode_header(header)[0].ns_fields
+        return None if fields is None else Namespace.from_wire(fields)
+    except KVTierError:
+        return None
 
 
 def _payload_len(header: bytes) -> int:

@@ -1,7 +1,9 @@
 """The disk tier's metadata in RocksDB (rocksdict): where each record's file is, and its header.
 
 One column family, ``blocks``: ``key -> u64le record length || u64le file id || header bytes``;
-the default family holds the layout version (``format``). Small values only: start-up reads this
+the default family holds the layout version (``format``) and the namespaces registered with the
+store (``ns:<ns_id> -> canonical namespace bytes``, SPEC.md §2.3), so that a restarted daemon
+still knows the model and geometry of the blocks it keeps. Small values only: start-up reads this
 and nothing else, and a RocksDB call (which keeps the GIL) never carries a payload.
 """
 
@@ -25,6 +27,7 @@ log = logging.getLogger(__name__)
 _LOC = struct.Struct("<QQ")  # record length, file id: the prefix of a meta value
 _BLOCKS = "blocks"
 _FORMAT_KEY, _FORMAT = b"format", b"kvtier-disk/2: a file per block, RocksDB meta"
+_NS_PREFIX = b"ns:"  # default family: ns:<ns_id> -> canonical namespace bytes
 
 
 @contextlib.contextmanager
@@ -132,6 +135,30 @@ class MetaDB:
                 it.next()
             it.status()
 
+    def namespaces(self) -> dict[bytes, bytes]:
+        """The saved namespaces: ns_id -> canonical bytes (as saved; the caller checks them).
+
+        Raises:
+            StorageError: a table is damaged.
+        """
+        out: dict[bytes, bytes] = {}
+        with storage_errors("scan namespaces"):
+            it = self._db.iter()
+            it.seek(_NS_PREFIX)
+            while it.valid() and it.key().startswith(_NS_PREFIX):
+                out[it.key()[len(_NS_PREFIX):]] = it.value()
+                it.next()
+            it.status()
+        return out
+
+    def put_namespaces(self, items: Sequence[tuple[bytes, bytes]]) -> None:
+        """Save ``(ns_id, canonical bytes)`` pairs in one atomic batch (synced with ``sync``)."""
+        batch = WriteBatch(raw_mode=True)
+        for ns_id, canonical in items:
+            batch.put(_NS_PREFIX + ns_id, canonical)
+        with storage_errors("save namespaces"):
+            self._db.write(batch, self._write_opts)
+
     def commit(self, puts: Sequence[tuple[bytes, Location]], deletes: Sequence[bytes] = ()) -> None:
         """Apply puts and deletes in one atomic batch (synced with ``sync``)."""
         batch = WriteBatch(raw_mode=True)
@@ -144,6 +171,7 @@ class MetaDB:
     def flush(self) -> None:
         """Write the memtable to a table file and sync the log."""
         self._blocks.flush(True)
+        self._db.flush(True)  # the default family: the saved namespaces
         self._db.flush_wal(True)
 
     def compact(self) -> None:

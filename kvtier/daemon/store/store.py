@@ -23,11 +23,12 @@ Expired leases are reclaimed lazily at the start of every call (and by :meth:`re
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from kvtier_protocol.errors import InvalidRequest, LeaseError
+from kvtier_protocol.errors import InvalidRequest, LeaseError, StorageError
 from kvtier_protocol.namespace import Namespace
 
 from kvtier.daemon.store import validation as check
@@ -48,6 +49,8 @@ from kvtier.daemon.store.types import BlockKey, Tier
 
 if TYPE_CHECKING:
     from kvtier.daemon.store.gpu import GpuTier
+
+log = logging.getLogger(__name__)
 
 
 class TieredStore:
@@ -100,6 +103,8 @@ class TieredStore:
         self._started = True
         shared = Shared(self.index, self._counters, self._events, self._admission, self._leases, self.now)
         self._parts = await open_parts(self.config, shared)
+        if self._parts.disk is not None:  # the namespaces saved before the restart
+            self._namespaces.update({ns.ns_id: ns for ns in self._parts.disk.namespaces()})
         self.host_recovery = shared.recovery[0] if shared.recovery else None
         if self.config.scrub_commits:
             self._scrubber = CommitScrubber(self.index, self._parts.mover, self._counters, self._mutex)
@@ -167,8 +172,16 @@ class TieredStore:
     # --- namespaces ----------------------------------------------------------------------------
 
     def register_namespace(self, ns: Namespace) -> None:
-        """Commits into ``ns.ns_id`` will be checked against this namespace's geometry."""
+        """Commits into ``ns.ns_id`` will be checked against this namespace's geometry. A new one
+        is saved with the disk tier (a small metadata write), so a restart still knows it."""
+        new = ns.ns_id not in self._namespaces
         self._namespaces[ns.ns_id] = ns
+        disk = self.disk
+        if new and disk is not None:
+            try:
+                disk.save_namespace(ns)
+            except StorageError as e:  # known until the restart all the same: the blocks are unaffected
+                log.warning("namespace %s not saved with the disk tier: %s", ns.ns_id.hex(), e)
 
     def namespaces(self) -> list[Namespace]:
         return list(self._namespaces.values())

@@ -44,13 +44,20 @@ Rows:
   * ``lookup`` p50 / p99 (ms): ``Client.lookup`` of the chain hashes of a 128K-token prompt
     (512 keys of 256 tokens, all stored, so the daemon walks every one), next to a ``ping`` over
     the same socket: the round trip every call pays, the floor a lookup sits on.
+  * ``start to ready`` (s): ``kvtier serve`` with a host tier of min(4 GiB, half of /dev/shm's free
+    space), from the process's start to its ready line, next to a Python that only imports the
+    daemon's modules (``python -c "import kvtier.daemon.server.daemon"``): start-up must not wait
+    for the host tier's memory (it is pre-faulted in the background), so the two stay close.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import random
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -61,7 +68,7 @@ from pathlib import Path
 import torch
 
 from kvtier.client import memcopy
-from kvtier.bench.daemon import BenchDaemon
+from kvtier.bench.daemon import BenchDaemon, child_env
 from kvtier.bench.report import (Row, Samples, SuiteResult, Timer, alternate, alternate_many, gbps,
                                  latency_row, ping_latency_rows, progress, threads_label, throughput_row)
 from kvtier.client import Client
@@ -131,7 +138,34 @@ def run(args: argparse.Namespace) -> SuiteResult:
             for nbytes in sizes:
                 result.rows += _block_rows(shm, behind, tcp, nbytes, ws, batch, reps, threads, daemon.cpu_seconds)
             result.rows += _lookup_rows(shm, tcp, args.lookup_keys, calls, reps)
+    result.rows.append(_startup_row(args.work_dir, reps))
     return result
+
+
+def _startup_row(work_dir: str | None, reps: int) -> Row:
+    """Seconds from ``kvtier serve``'s start to its ready line with a large host tier, beside an
+    interpreter that imports the daemon's modules and exits (the floor of any start)."""
+    shm = os.statvfs("/dev/shm")
+    host_bytes = min(4 << 30, shm.f_bavail * shm.f_frsize // 2) >> 20 << 20
+    progress(f"dataplane: start to ready with a {host_bytes / MIB:g} MiB host tier")
+    imports = [sys.executable, "-c", "import kvtier.daemon.server.daemon"]
+
+    def start_daemon() -> float:
+        work = Path(tempfile.mkdtemp(prefix="kvtier-bench-start-", dir=work_dir))  # removed by running()
+        daemon = BenchDaemon(work, ["--rest", "off", "--host-bytes", str(host_bytes),
+                                                "--disk-bytes", str(64 * MIB)], suite="dataplane")
+        t0 = time.perf_counter()
+        with daemon.running():
+            return time.perf_counter() - t0
+
+    def start_imports() -> float:
+        t0 = time.perf_counter()
+        subprocess.run(imports, check=True, env=child_env(), stdout=subprocess.DEVNULL)
+        return time.perf_counter() - t0
+
+    kv, base = alternate(start_daemon, start_imports, repetitions=reps, warmup=0)
+    return latency_row(f"start to ready, {host_bytes / MIB:g} MiB host tier", "latency", "s", kv,
+                       "python importing the daemon's modules", base)
 
 
 # --- the daemon --------------------------------------------------------------------------------

@@ -55,6 +55,7 @@ def test_quick_dataplane_bench_writes_json(registered: Path, tmp_path: Path) -> 
             assert f"{path} put {size}, daemon CPU" in cases and f"{path} get {size}, daemon CPU" in cases
         assert f"shm put {size}, write-behind" in cases  # pipelined and write-behind at once here
         assert f"memcpy {size} (kvtier.client.memcopy)" in cases
+    assert sum(c.startswith("start to ready, ") for c in cases) == 1
     for sock in ("unix socket", "tcp"):
         assert [(r["metric"], r["baseline_name"]) for r in doc["rows"]
                 if r["case"] == f"lookup 64 keys, {sock}, vs ping"] == [
@@ -63,6 +64,10 @@ def test_quick_dataplane_bench_writes_json(registered: Path, tmp_path: Path) -> 
         assert set(row) == names
         if row["case"].startswith("lookup"):
             assert row["unit"] == "ms"
+            assert row["ratio"] == pytest.approx(row["baseline"] / row["kvtier"])
+        elif row["case"].startswith("start to ready, "):
+            assert (row["metric"], row["unit"]) == ("latency", "s")
+            assert row["baseline_name"] == "python importing the daemon's modules"
             assert row["ratio"] == pytest.approx(row["baseline"] / row["kvtier"])
         elif row["case"].endswith(", daemon CPU"):
             assert (row["metric"], row["unit"]) == ("cpu per block", "us")

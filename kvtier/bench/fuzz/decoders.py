@@ -43,6 +43,22 @@ def run_all(*calls: Callable[[], Any]) -> None:
         raise first
 
 
+def run_any(*calls: Callable[[], Any]) -> None:
+    """Run every call (decoders of the same bytes as different receivers take them); the input is
+    accepted when one accepts it, else the first typed error is raised. Any other exception
+    propagates at once: it is a crash."""
+    first: KVTierError | None = None
+    accepted = False
+    for call in calls:
+        try:
+            call()
+            accepted = True
+        except KVTierError as exc:
+            first = first or exc
+    if not accepted and first is not None:
+        raise first
+
+
 def _harness_unpack(data: bytes) -> Any:
     try:
         return msgpack.unpackb(data, raw=False, strict_map_key=False)
@@ -77,7 +93,10 @@ def zmq_input(data: bytes) -> None:
     if not isinstance(parts, list) or not all(isinstance(p, (bytes, str)) for p in parts):
         raise NotAnInput("frames are a list of byte strings")
     frames = [p.encode("utf-8", "surrogatepass") if isinstance(p, str) else p for p in parts]
-    run_all(lambda: event_transport.parse_live_message(frames),
+    # Each parser is one socket's receiver (SUB: live; ROUTER: replay requests; DEALER: replies;
+    # the topic of any): a message is valid when the receiver of its kind takes it, so a valid
+    # live message is accepted although the replay parsers refuse it.
+    run_any(lambda: event_transport.parse_live_message(frames),
             lambda: event_transport.parse_replay_request(frames),
             lambda: event_transport.parse_replay_reply(frames),
             lambda: event_transport.parse_topic(frames[0] if frames else b""))
@@ -115,18 +134,29 @@ def keys_input(data: bytes) -> None:
     tokens, scheme = m.get("tokens", []), m.get("scheme", keys.DEFAULT_SCHEME)
     extras = _extras(m.get("extras"))
     limits = DEFAULT_LIMITS
-    run_all(lambda: keys.chain_hashes(tokens, m.get("hash_tokens", 16), scheme=scheme, extras=extras,
-                                      parent=m.get("parent"), start=m.get("start", 0)),
-            lambda: keys.hash_block_tokens(m.get("parent"), tokens, m.get("extra"), scheme=scheme),
-            lambda: keys.from_hex(m.get("hex")),
-            lambda: keys.to_hex(m.get("digest")),
-            lambda: keys.event_hash(m.get("digest")),
-            lambda: keys.check_chain_hash(m.get("digest"), scheme),
-            lambda: keys.block_keys(list(m.get("units") or ()) if isinstance(m.get("units"), list) else [],
-                                    m.get("per", 1)),
-            lambda: wire_checks.hashes("hashes", m.get("units"), limits),
-            lambda: messages.token_lists("tokens", m.get("token_lists"), limits),
-            lambda: messages.unit_hash_lists("unit_hashes", m.get("unit_lists"), limits))
+    # A request carries some of these inputs, not all: each function runs on the fields present
+    # (an absent field is no input of it), so a valid request is accepted as a whole.
+    calls: list[Callable[[], Any]] = []
+    if "tokens" in m:
+        calls += [lambda: keys.chain_hashes(tokens, m.get("hash_tokens", 16), scheme=scheme, extras=extras,
+                                            parent=m.get("parent"), start=m.get("start", 0)),
+                  lambda: keys.hash_block_tokens(m.get("parent"), tokens, m.get("extra"), scheme=scheme)]
+    if "hex" in m:
+        calls.append(lambda: keys.from_hex(m["hex"]))
+    if "digest" in m:
+        calls += [lambda: keys.to_hex(m["digest"]), lambda: keys.event_hash(m["digest"]),
+                  lambda: keys.check_chain_hash(m["digest"], scheme)]
+    if "units" in m:
+        calls += [lambda: keys.block_keys(list(m["units"]) if isinstance(m["units"], list) else [],
+                                          m.get("per", 1)),
+                  lambda: wire_checks.hashes("hashes", m["units"], limits)]
+    if "token_lists" in m:
+        calls.append(lambda: messages.token_lists("tokens", m["token_lists"], limits))
+    if "unit_lists" in m:
+        calls.append(lambda: messages.unit_hash_lists("unit_hashes", m["unit_lists"], limits))
+    if not calls:
+        raise NotAnInput("a map naming no key input")
+    run_all(*calls)
 
 
 # --- REST ------------------------------------------------------------------------------------------

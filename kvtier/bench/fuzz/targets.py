@@ -210,6 +210,8 @@ def _seeds_keys() -> list[bytes]:
         {"tokens": toks[:16], "hash_tokens": 16, "scheme": "vllm-sha256-cbor", "parent": b"\x01" * 32,
          "start": 16, "extras": {"mm_items": [["img", 0, 4]], "prompt_embeds": [b"\x02" * 32]}},
         {"hex": "ab" * 32, "digest": b"\x05" * 32, "units": [b"\x03" * 32] * 4, "per": 2},
+        {"token_lists": [toks[:16], None, toks[16:]], "unit_lists": [[b"\x04" * 32] * 2, None, [b"\x06" * 32]]},
+        {"digest": b"\x07" * 32, "scheme": "sglang-sha256-u32le"},
     )]
 
 

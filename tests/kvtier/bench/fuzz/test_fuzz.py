@@ -69,3 +69,17 @@ def test_a_hang_is_cut_at_the_bound() -> None:
             pass
     stats = fuzz_target(Target("slow", slow, [b"abcdef"]), 3, seed=1, bound_s=0.05)
     assert stats.hangs >= 1
+
+
+MIN_ACCEPTED_SHARE = 0.02
+"""Of a target's inputs in the quick run (seed 0, as ``kvtier bench fuzz --quick``), at least this
+share must decode: a target whose generator never reaches its decoder's accepting path fuzzes
+only the first check (``events.zmq_frames`` and ``keys`` once accepted none)."""
+
+
+@pytest.mark.parametrize("name", list(TARGETS))
+def test_target_accepts_a_share_of_its_inputs(name: str) -> None:
+    stats = fuzz_target(TARGETS[name], 300, seed=0, bound_s=5.0)
+    assert stats.inputs == 300
+    share = stats.accepted / stats.inputs
+    assert share >= MIN_ACCEPTED_SHARE, f"{name}: {stats.accepted} of {stats.inputs} accepted, errors {stats.errors}"

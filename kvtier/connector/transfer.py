@@ -145,7 +145,7 @@ class Transfer:
                 break
             self._outage.ok()
             for h in headers:
-                if h.codec != "raw" or h.layout != layout or tuple(h.shape) != shape or h.dtype != dtype:
+                if h.codec != "raw" or h.compression is not None or h.layout != layout or tuple(h.shape) != shape or h.dtype != dtype:
                     foreign = True
                     break
                 done += 1

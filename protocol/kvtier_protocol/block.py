@@ -15,6 +15,8 @@ import torch
 import xxhash
 
 from kvtier_protocol import codecs
+from kvtier_protocol.codec_plan import SCALE_SIZE
+from kvtier_protocol.compression import ALGORITHMS, compress_sections, decompress_sections
 from kvtier_protocol.dtypes import DTYPE_SIZES
 from kvtier_protocol.errors import CodecError, LayoutError
 from kvtier_protocol.header import (DEFAULT_MAX_PAYLOAD_LEN, BlockHeader, Section, encode_header,
@@ -61,7 +63,8 @@ def _host_bytes(t: torch.Tensor) -> np.ndarray:
 def encode_block(tensor: torch.Tensor, *, ns_id: bytes, chain_hash: bytes, parent_hash: bytes | None,
                  layout: str | Layout, codec: str = "raw", quant: QuantParams | None = None,
                  num_tokens: int | None = None, ns_fields: dict | None = None,
-                 created_ms: int | None = None, mla_rope_dim: int = 0) -> bytes:
+                 created_ms: int | None = None, mla_rope_dim: int = 0,
+                 compression: str | None = None) -> bytes:
     """Encode one block into a whole record (header + payload).
 
     Args:
@@ -77,6 +80,8 @@ def encode_block(tensor: torch.Tensor, *, ns_id: bytes, chain_hash: bytes, paren
         created_ms: optionally, the creation time to record (Unix ms).
         mla_rope_dim: MLA only: trailing latent dims that hold RoPE; with ``quant=None`` they are
             kept raw by the codec's defaults (the namespace's ``mla_rope_dim``).
+        compression: ``"lz4"`` to byte-shuffle and LZ4-compress each section after the codec
+            (SPEC.md §4.8; sections LZ4 does not shrink are stored verbatim); None for none.
 
     Raises:
         LayoutError: unknown layout, a shape that does not fit it, or a wrong ``num_tokens``.
@@ -101,22 +106,39 @@ def encode_block(tensor: torch.Tensor, *, ns_id: bytes, chain_hash: bytes, paren
     tokens = shape[get_layout(out_layout).token_axis]
     if num_tokens is not None and num_tokens != tokens:
         raise LayoutError(f"num_tokens {num_tokens} != {tokens} tokens along the layout's token axis")
+    stored: list = [memoryview(arr) for _, arr in parts]
+    comp = None
+    if compression is not None:
+        if compression not in ALGORITHMS:
+            raise CodecError(f"unknown compression {compression!r}; expected one of {ALGORITHMS}")
+        stored, comp = compress_sections(stored, [_stride(name, dtype, used_quant) for name, _ in parts])
     sections, offset, digest = [], 0, xxhash.xxh3_64()
-    for name, arr in parts:
-        sections.append(Section(name, offset, arr.nbytes))
-        offset += arr.nbytes
-        digest.update(arr)
+    for (name, _), data in zip(parts, stored):
+        n = memoryview(data).nbytes
+        sections.append(Section(name, offset, n))
+        offset += n
+        digest.update(data)
     header = BlockHeader(ns_id=ns_id, chain_hash=chain_hash, parent_hash=parent_hash,
                          num_tokens=tokens, layout=out_layout, shape=shape, dtype=dtype, codec=codec,
                          sections=tuple(sections), payload_len=offset, checksum=digest.intdigest(),
-                         quant=used_quant, ns_fields=ns_fields, created_ms=created_ms)
-    return b"".join([encode_header(header), *(memoryview(arr) for _, arr in parts)])
+                         quant=used_quant, ns_fields=ns_fields, created_ms=created_ms, compression=comp)
+    return b"".join([encode_header(header), *stored])
+
+
+def _stride(section: str, dtype: str, quant: QuantParams | None) -> int:
+    """The shuffle stride of a section: the size of its elements (SPEC.md §4.8)."""
+    if section in ("scales", "mins"):
+        assert quant is not None, "only quantized records have scales"
+        return SCALE_SIZE[quant.scale_dtype]
+    if section == "payload" and quant is not None:
+        return 1  # integer or fp8 codes, a byte (or less) each
+    return DTYPE_SIZES[dtype]  # a raw payload or MLA's rope: the block's elements
 
 
 def _raw_tensor(h: BlockHeader, payload: memoryview, device: str | torch.device) -> torch.Tensor:
     # Copy out of the record: the caller's buffer (often a shared-memory slot) is released after
     # this call, and torch cannot wrap a read-only buffer without a warning.
-    out = torch.empty(h.payload_len, dtype=torch.uint8)
+    out = torch.empty(payload.nbytes, dtype=torch.uint8)
     out.numpy()[:] = np.frombuffer(payload, dtype=np.uint8)
     return out.to(device).view(torch_dtype(h.dtype)).reshape(h.shape)
 
@@ -143,15 +165,17 @@ def decode_block(buf: bytes | bytearray | memoryview, *, layout: str | Layout | 
     if verify:
         verify_payload(h, payload)
     stored = get_layout(h.layout)
+    views = {s.name: payload[s.offset:s.offset + s.length] for s in h.sections}
+    if h.compression is not None:  # verified as stored, then decompressed (SPEC 4.8)
+        views = dict(zip(views, decompress_sections(h.compression, list(views.values()))))
     if h.codec == "raw":
-        tensor = _raw_tensor(h, payload, device)
+        tensor = _raw_tensor(h, views["payload"], device)
     else:
         if stored.name != stored.canonical_name:
             # The codecs' geometry is that of the canonical layouts; read in any other axis order
             # the same shape would decode to the wrong elements (SPEC 5.1, 6.5).
             raise CodecError(f"codec {h.codec!r} needs layout {stored.canonical_name!r}, "
                              f"got {h.layout!r}")
-        views = {s.name: payload[s.offset:s.offset + s.length] for s in h.sections}
         tensor = codecs.decode(views, codec=h.codec, quant=h.quant, shape=h.shape, dtype=h.dtype,
                                mla=stored.is_mla, device=device)
     if layout is not None:

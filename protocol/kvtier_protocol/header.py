@@ -5,7 +5,7 @@
     offset          size        field
     0               4           magic        b"KVT1"
     4               2           version      u16 LE, 1
-    6               2           flags        u16 LE, 0 (reserved; nonzero is refused)
+    6               2           flags        u16 LE: bit 0 = compressed (SPEC 4.8); other bits reserved
     8               4           header_len   u32 LE, bytes of the msgpack map that follows
     12              8           header_xxh3  u64 LE, xxh3-64 (seed 0) of those header_len bytes
     20              header_len  msgpack map, keys in the order of WIRE_KEYS
@@ -23,6 +23,7 @@ from typing import Any
 import msgpack
 import xxhash
 
+from kvtier_protocol.compression import FLAG_COMPRESSED
 from kvtier_protocol.errors import ChecksumMismatch, HeaderError, LimitExceeded, Truncated
 from kvtier_protocol.header_decode import _DECODED, _MAX_DECODED, decode_header, parse_preamble, split_record
 from kvtier_protocol.header_types import (CHECKSUM_ALG, DEFAULT_MAX_HEADER_LEN, DEFAULT_MAX_PAYLOAD_LEN, MAGIC,
@@ -43,6 +44,8 @@ def _to_map(h: BlockHeader) -> dict[str, Any]:
         m["ns_fields"] = dict(h.ns_fields)
     if h.created_ms is not None:
         m["created"] = h.created_ms
+    if h.compression is not None:
+        m["compression"] = h.compression.to_wire()
     m.update(h.extra)
     return m
 
@@ -60,12 +63,13 @@ def encode_header(h: BlockHeader) -> bytes:
         raise HeaderError(f"header does not pack as msgpack: {e}") from None
     if len(body) > DEFAULT_MAX_HEADER_LEN:
         raise LimitExceeded(f"header map is {len(body)} bytes > {DEFAULT_MAX_HEADER_LEN}")
-    out = PREAMBLE.pack(MAGIC, VERSION, 0, len(body), xxhash.xxh3_64_intdigest(body)) + body
+    flags = 0 if h.compression is None else FLAG_COMPRESSED
+    out = PREAMBLE.pack(MAGIC, VERSION, flags, len(body), xxhash.xxh3_64_intdigest(body)) + body
     # A record encoded here is usually decoded again in this process soon (a client checks each
     # record it saves: kvtier.client.records.prepare_records), and decoding ``out`` with the
     # default limits yields ``h`` (validated when it was made): remember it, as decode_header
     # would, so that check costs a dict lookup instead of a validation (~25-50 us a header).
-    if (h.ns_fields is None and not h.extra and h.quant is None
+    if (h.ns_fields is None and not h.extra and h.quant is None and h.compression is None
             and max(h.payload_len, h.decoded_len) <= DEFAULT_MAX_PAYLOAD_LEN and _plain(h)):
         if len(_DECODED) >= _MAX_DECODED:
             _DECODED.clear()

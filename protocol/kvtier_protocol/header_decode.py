@@ -24,6 +24,7 @@ from typing import Any
 import msgpack
 import xxhash
 
+from kvtier_protocol.compression import FLAG_COMPRESSED, Compression
 from kvtier_protocol.errors import (BadMagic, ChecksumMismatch, HeaderError, LimitExceeded, ProtocolError,
                                     Truncated, UnsupportedVersion)
 from kvtier_protocol.header_types import (DEFAULT_MAX_HEADER_LEN, DEFAULT_MAX_PAYLOAD_LEN, MAGIC, MAX_HASH_LEN,
@@ -44,13 +45,14 @@ def parse_preamble(buf: bytes | bytearray | memoryview, *,
     A streaming reader reads 20 bytes, calls this, then reads ``header_len`` more.
 
     Raises:
-        Truncated, BadMagic, UnsupportedVersion (version != 1 or flags != 0), LimitExceeded.
+        Truncated, BadMagic, UnsupportedVersion (version != 1, or a flag other than
+        FLAG_COMPRESSED), LimitExceeded.
     """
     return _preamble(buf, max_header_len)[0]
 
 
-def _preamble(buf: bytes | bytearray | memoryview, max_header_len: int) -> tuple[int, int]:
-    """:func:`parse_preamble`, also returning the preamble's xxh3 of the header map."""
+def _preamble(buf: bytes | bytearray | memoryview, max_header_len: int) -> tuple[int, int, int]:
+    """:func:`parse_preamble`, also returning the preamble's xxh3 of the header map and its flags."""
     if len(buf) < PREAMBLE_LEN:
         raise Truncated(f"record needs a {PREAMBLE_LEN}-byte preamble, got {len(buf)} bytes")
     magic, version, flags, header_len, map_xxh3 = PREAMBLE.unpack_from(buf)
@@ -58,12 +60,13 @@ def _preamble(buf: bytes | bytearray | memoryview, max_header_len: int) -> tuple
         raise BadMagic(f"expected magic {MAGIC!r}, got {bytes(magic)!r}")
     if version != VERSION:
         raise UnsupportedVersion(f"block record version {version}; this reader speaks {VERSION}")
-    if flags != 0:
-        # A flag would only ever be set for a feature that changes how the bytes are read.
-        raise UnsupportedVersion(f"block record flags 0x{flags:04x}; this reader knows none")
+    if flags & ~FLAG_COMPRESSED:
+        # A flag is only ever set for a feature that changes how the bytes are read (SPEC 4.1).
+        raise UnsupportedVersion(f"block record flags 0x{flags:04x}; this reader knows only "
+                                 f"0x{FLAG_COMPRESSED:04x} (compressed)")
     if header_len > max_header_len:
         raise LimitExceeded(f"header_len {header_len} > limit {max_header_len}")
-    return header_len, map_xxh3
+    return header_len, map_xxh3, flags
 
 
 def _no_duplicates(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
@@ -122,6 +125,7 @@ def _from_map(m: Any, max_payload_len: int) -> BlockHeader:
             raise HeaderError("each section must be an array [name, offset, length]")
         sections.append(Section(*s))
     quant = m["quant"]
+    compression = m.get("compression")
     ns_fields = m.get("ns_fields")
     if ns_fields is not None and not isinstance(ns_fields, dict):
         raise HeaderError("ns_fields must be a map")
@@ -131,7 +135,8 @@ def _from_map(m: Any, max_payload_len: int) -> BlockHeader:
         sections=tuple(sections), payload_len=plen, checksum=m["csum"], checksum_alg=m["csum_alg"],
         quant=QuantParams.from_wire(quant) if quant is not None else None,
         ns_fields=None if ns_fields is None else MappingProxyType(ns_fields), created_ms=m.get("created"),
-        extra=() if m.keys() <= _WIRE_SET else tuple((k, v) for k, v in m.items() if k not in WIRE_KEYS))
+        extra=() if m.keys() <= _WIRE_SET else tuple((k, v) for k, v in m.items() if k not in WIRE_KEYS),
+        compression=None if compression is None else Compression.from_wire(compression))
 
 
 def _byte_view(buf: bytes | bytearray | memoryview) -> memoryview:
@@ -167,7 +172,7 @@ def decode_header(buf: bytes | bytearray | memoryview, *,
         if known is not None:
             return known, len(buf)
     view = _byte_view(buf)
-    header_len, expected = _preamble(view, max_header_len)
+    header_len, expected, flags = _preamble(view, max_header_len)
     end = PREAMBLE_LEN + header_len
     if len(view) < end:
         raise Truncated(f"header needs {end} bytes, got {len(view)}")
@@ -189,9 +194,14 @@ def decode_header(buf: bytes | bytearray | memoryview, *,
         h = _from_map(_unpack(raw), max_payload_len)
         if h.decoded_len > max_payload_len:
             raise LimitExceeded(f"decoded tensor of {h.decoded_len} bytes > limit {max_payload_len}")
+        if h.compression is not None and h.compression.raw_len > max_payload_len:
+            raise LimitExceeded(f"decompressed payload of {h.compression.raw_len} bytes > limit {max_payload_len}")
         memoisable = _memoisable(h)
         if memoisable:
             _TEMPLATES.learn(raw, max_payload_len, _template(h))
+    if bool(flags & FLAG_COMPRESSED) != (h.compression is not None):
+        # Either way round a reader could take compressed bytes for the tensor's (SPEC 4.8).
+        raise HeaderError("preamble flag 'compressed' and the header's compression key disagree")
     if memoisable:
         if len(_DECODED) >= _MAX_DECODED:
             _DECODED.clear()

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvtier_protocol.compression import Compression, check_against_sections
 from kvtier_protocol.dtypes import check_dtype, dtype_size
 from kvtier_protocol.errors import HeaderError, LayoutError
 from kvtier_protocol.layouts import get_layout
@@ -36,7 +37,7 @@ _INT = frozenset((int,))
 
 REQUIRED_KEYS = ("ns", "hash", "parent", "tokens", "layout", "shape", "dtype", "codec",
                  "sections", "plen", "csum_alg", "csum", "quant")
-OPTIONAL_KEYS = ("ns_fields", "created")
+OPTIONAL_KEYS = ("ns_fields", "created", "compression")
 WIRE_KEYS = REQUIRED_KEYS + OPTIONAL_KEYS
 """Every key v1 defines, in the order writers emit them; future keys go after these."""
 
@@ -72,6 +73,10 @@ class BlockHeader:
         created_ms: optionally, when the block was encoded, Unix time in milliseconds.
         extra: keys this implementation does not know, in their original order, kept so that a
             decoded header re-encodes byte-identically.
+        compression: the lossless stage the payload's sections went through after the codec
+            (``kvtier_protocol.compression``, SPEC.md §4.8), or None. When set, ``sections``,
+            ``payload_len`` and ``checksum`` describe the stored (compressed) bytes, and the
+            record's preamble carries flag bit 0.
     """
 
     ns_id: bytes
@@ -90,6 +95,7 @@ class BlockHeader:
     ns_fields: Mapping[str, Any] | None = None
     created_ms: int | None = None
     extra: tuple[tuple[str, Any], ...] = ()
+    compression: Compression | None = None
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -204,7 +210,13 @@ def _validate_sections(h: BlockHeader) -> None:
         end += s.length
     if end != h.payload_len:
         raise HeaderError(f"sections cover {end} bytes, plen is {h.payload_len}")
+    raw_len = h.payload_len
+    if h.compression is not None:
+        if not isinstance(h.compression, Compression):
+            raise HeaderError("compression must be Compression or None")
+        check_against_sections(h.compression, [s.length for s in h.sections])
+        raw_len = h.compression.raw_len  # the codec's rules apply to the sections before compression
     if h.codec == "raw" and (h.sections[0].name != "payload" or len(h.sections) != 1
-                             or h.payload_len != h.decoded_len):
+                             or raw_len != h.decoded_len):
         raise HeaderError(f"codec raw needs one section 'payload' of prod(shape)*dtype size = "
                           f"{h.decoded_len} bytes")

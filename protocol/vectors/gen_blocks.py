@@ -47,6 +47,7 @@ class VectorSpec:
     created: bool = False  # record the optional "created" key
     extra: tuple[tuple[str, Any], ...] = ()  # unknown future keys, to exercise the growth rule
     scale_exp: int = 0  # the source formula's values times 2**scale_exp (exact: a power of two)
+    compression: str | None = None  # the lossless stage after the codec (SPEC 4.8)
 
 
 MHA_SMALL = Geometry(num_layers=2, num_tokens=4, num_heads=2, head_dim=8)
@@ -114,6 +115,13 @@ SPECS: tuple[VectorSpec, ...] = (
     VectorSpec("int8-fp8e4m3-canonical", "int8 of a float8_e4m3fn source: a quantizing codec "
                "accepts fp8 input (SPEC 5.1); the decoded tensor is float8_e4m3fn again",
                "canonical", "float8_e4m3fn", MHA_QUANT, "int8"),
+    VectorSpec("raw-bf16-lz4", "raw bfloat16 block with the lz4 stage (SPEC 4.8): the payload "
+               "byte-shuffled with stride 2 (the exponent bytes together) and stored as one LZ4 "
+               "block; preamble flag bit 0 set", "canonical", "bfloat16", MHA_QUANT,
+               compression="lz4"),
+    VectorSpec("int8-bf16-lz4", "int8 with the lz4 stage after the codec: the codes (stride 1: not "
+               "shuffled) and the float16 scales and mins (stride 2) each stored as one LZ4 block",
+               "canonical", "bfloat16", MHA_QUANT, "int8", compression="lz4"),
 )
 
 
@@ -153,7 +161,7 @@ def encode_spec(spec: VectorSpec) -> bytes:
     record = encode_block(source_tensor(spec), ns_id=NS_ID, chain_hash=_label_hash(spec.name),
                           parent_hash=None if spec.first else _label_hash(spec.name + "/parent"),
                           layout=spec.layout, codec=spec.codec, quant=spec.quant,
-                          created_ms=CREATED_MS if spec.created else None)
+                          created_ms=CREATED_MS if spec.created else None, compression=spec.compression)
     if not spec.extra:
         return record
     h, payload = split_record(record)
@@ -171,7 +179,7 @@ def describe(spec: VectorSpec, record: bytes) -> dict[str, Any]:
     source = source_tensor(spec)
     as_source = convert(decoded, h.layout, spec.layout)
     err = (as_source.double() - source.double()).abs().max().item()
-    return {
+    out = {
         "name": spec.name,
         "description": spec.description,
         "format_version": 1,
@@ -199,6 +207,10 @@ def describe(spec: VectorSpec, record: bytes) -> dict[str, Any]:
                     "sha256": _sha(decoded), "sha256_in_source_layout": _sha(as_source),
                     "max_abs_error": err},
     }
+    if h.compression is not None:  # only where present: the other vectors' descriptions predate it
+        out["params"]["compression"] = spec.compression
+        out["header"]["compression"] = h.compression.to_wire()
+    return out
 
 
 def build() -> dict[str, tuple[bytes, dict[str, Any]]]:

@@ -223,7 +223,10 @@ def test_preamble_errors() -> None:
         decode_header(b"KVT2" + good[4:])
     with pytest.raises(UnsupportedVersion):
         decode_header(wrap(body, version=2))
-    with pytest.raises(UnsupportedVersion):
+    for flags in (2, 0x8000, 0x0003):  # bits no reader knows (bit 0 is "compressed", SPEC 4.8)
+        with pytest.raises(UnsupportedVersion):
+            decode_header(wrap(body, flags=flags))
+    with pytest.raises(HeaderError, match="disagree"):  # the compressed bit without the key
         decode_header(wrap(body, flags=1))
     with pytest.raises(ChecksumMismatch):
         decode_header(good[:12] + struct.pack("<Q", 1) + good[20:])

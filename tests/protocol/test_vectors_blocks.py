@@ -104,6 +104,8 @@ def test_vector_decodes_to_its_description(name: str) -> None:
     assert (h.payload_len, h.checksum_alg, f"{h.checksum:016x}") == (
         want["payload_len"], want["checksum_alg"], want["checksum"])
     assert (h.quant.to_wire() if h.quant else None) == want["quant"]
+    assert (h.compression.to_wire() if h.compression else None) == want.get("compression")
+    assert bool(record[6] & 1) == (h.compression is not None)  # preamble flag bit 0 (SPEC 4.8)
     params = desc["params"]
     assert (h.ns_id.hex(), h.chain_hash.hex(), h.created_ms) == (
         params["ns_id"], params["chain_hash"], params["created_ms"])
@@ -133,5 +135,6 @@ def test_vector_re_encodes_byte_identically(name: str) -> None:
         # A raw record is lossless: the decoded tensor re-encodes to the same record.
         h, tensor = decode_block(record)
         again = encode_block(tensor, ns_id=h.ns_id, chain_hash=h.chain_hash, parent_hash=h.parent_hash,
-                             layout=h.layout, created_ms=h.created_ms)
+                             layout=h.layout, created_ms=h.created_ms,
+                             compression=h.compression.alg if h.compression else None)
         assert again == record

@@ -64,7 +64,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--all", action="store_true", help="every block (overrides --limit)")
     p = add("inspect", _inspect, "show one block: decoded header, tiers, size, hits, age")
     p.add_argument("ns", metavar="NS", help="namespace id (32 hex digits)")
-    p.add_argument("hash", metavar="HASH", help="chain hash (hex)")
+    p.add_argument("hash", metavar="HASH", help="chain hash (hex), or a unique prefix of at least 4 digits "
+                                                "(e.g. the 16 `kvtier ls` shows); an ambiguous one names a few matches")
     p = add("lookup", _lookup, "how many tokens of a prompt are stored, per tier")
     p.add_argument("--ns", metavar="HEX", required=True, help="namespace id (registered with the daemon)")
     src = p.add_mutually_exclusive_group(required=True)

@@ -140,6 +140,9 @@ _TENANT = _param("tenant", "query", {"type": "string", "pattern": "^[a-z0-9_-]{1
                  "default: the token's tenant, else the default store")
 _BLOCK_PARAMS = [_param("ns", "path", _NS_HEX, "namespace id"),
                  _param("hash", "path", _HEX, "chain hash (hash_bytes bytes) as hex"), _TENANT]
+_BLOCK_GET_PARAMS = [_BLOCK_PARAMS[0], _param("hash", "path", {"type": "string", "pattern": "^[0-9a-fA-F]{4,}$"},
+                                              "chain hash as hex, or a unique prefix of at least 4 digits "
+                                              "(an ambiguous one is a 400 naming a few matches)"), _TENANT]
 
 
 def _json_ok(name: str, description: str) -> dict[str, Any]:
@@ -172,7 +175,7 @@ def _paths() -> dict[str, Any]:
                 _param("cursor", "query", _STR, "next_cursor of the previous page (opaque)")], read=True)},
         "/v1/blocks/{ns}/{hash}": {
             "get": _op("block", "One block: decoded header, tiers, size, hits, age",
-                       _json_ok("BlockDetail", "the block"), ("400", "401", "404"), params=_BLOCK_PARAMS, read=True),
+                       _json_ok("BlockDetail", "the block"), ("400", "401", "404"), params=_BLOCK_GET_PARAMS, read=True),
             "delete": _op("delete_block", "Remove a block from every tier", _json_ok("Deleted", "removed"),
                           ("400", "401", "404"), params=_BLOCK_PARAMS, token=True),
         },

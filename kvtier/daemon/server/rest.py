@@ -3,7 +3,7 @@
 ::
 
     GET    /v1/health  /v1/ready  /v1/stats  /v1/tiers  /v1/namespaces  /v1/events  /metrics  /openapi.json
-    GET    /v1/blocks?ns=&tier=&limit=&cursor=      GET /v1/blocks/{ns}/{hash}
+    GET    /v1/blocks?ns=&tier=&limit=&cursor=      GET /v1/blocks/{ns}/{hash}   (hash: or a unique prefix)
     POST   /v1/lookup                               (read-only)
     DELETE /v1/blocks/{ns}/{hash}   POST /v1/clear   POST /v1/check      (token: Authorization: Bearer)
     GET    /v1/tenants                              (a token: the tenants it may see)
@@ -46,6 +46,7 @@ from kvtier_protocol.namespace import NS_ID_LEN
 from kvtier.daemon.server import rest_views as views
 from kvtier.daemon.server.auth import Principal
 from kvtier.daemon.server.openapi import openapi_document
+from kvtier.daemon.server.remote_views import remote_tier_row, remote_view
 from kvtier.daemon.server.tenancy import rest_scope
 from kvtier.daemon.store.types import split_key
 
@@ -244,13 +245,17 @@ async def stats(request: web.Request) -> web.Response:
     return web.json_response({"version": ctx.version, "uptime_s": _uptime(ctx), "ready": ctx.ready,
                               "tenant": scope.tenant,
                               "counters": views.counters_view(store.counters),
-                              "gauges": views.gauges_view(store.gauges())})
+                              "gauges": views.gauges_view(store.gauges()),
+                              **({"remote": remote_view(store.remote)} if store.remote.enabled else {})})
 
 
 @routes.get("/v1/tiers", name="tiers")
 async def tiers(request: web.Request) -> web.Response:
     store = _scope(request).store
-    return web.json_response({"tiers": views.tiers_view(store.counters, store.gauges())})
+    rows = views.tiers_view(store.counters, store.gauges())
+    if store.remote.enabled:
+        rows.append(remote_tier_row(store.remote))
+    return web.json_response({"tiers": rows})
 
 
 @routes.get("/v1/namespaces", name="namespaces")
@@ -296,8 +301,20 @@ def _block_key(request: web.Request, store: TieredStore) -> tuple[bytes, bytes]:
 
 @routes.get("/v1/blocks/{ns}/{hash}", name="block")
 async def block(request: web.Request) -> web.Response:
+    """One block; ``hash`` may be a unique prefix of its chain hash (``kvtier ls`` shows 16 digits)."""
     store = _scope(request).store
-    info = store.info(*_block_key(request, store))
+    ns_id = views.parse_ns(request.match_info["ns"])
+    prefix = views.parse_hash_prefix(request.match_info["hash"], store.config.hash_bytes)
+    if len(prefix) == 2 * store.config.hash_bytes:
+        chain_hash = bytes.fromhex(prefix)
+    else:  # one pass over the namespace's blocks, as /v1/blocks makes over all of them
+        found = views.match_hash_prefix((m.key for m in store.index.namespace(ns_id) if m.committed), prefix)
+        if len(found) > 1:
+            raise InvalidKey(views.ambiguous_prefix_message(prefix, found))
+        if not found:
+            raise NotFound(f"no block of namespace {ns_id.hex()} has a hash starting with {prefix}")
+        chain_hash = found[0]
+    info = store.info(ns_id, chain_hash)
     if info is None:
         raise NotFound("no such block")
     return web.json_response(views.block_detail(info, store.now(), time.time()))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import base64
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import fields
 from typing import Any
 
@@ -47,6 +47,44 @@ def parse_hex(value: Any, what: str, nbytes: int) -> bytes:
     if not isinstance(value, str) or len(value) != 2 * nbytes or not _HEX.fullmatch(value):
         raise InvalidKey(f"{what} must be {2 * nbytes} hex digits")
     return bytes.fromhex(value)
+
+
+MIN_HASH_PREFIX = 4  # hex digits of the shortest chain-hash prefix GET /v1/blocks/{ns}/{hash} resolves (as git)
+MAX_LISTED_MATCHES = 5  # blocks an ambiguous prefix's error names
+_HEX_DIGITS = re.compile(r"[0-9a-fA-F]+")
+
+
+def parse_hash_prefix(value: Any, nbytes: int) -> str:
+    """A chain hash, or a prefix of one, as lowercase hex digits (any count from
+    :data:`MIN_HASH_PREFIX` to ``2 * nbytes``).
+
+    Raises:
+        InvalidKey: not hex, too short or too long.
+    """
+    if (not isinstance(value, str) or not MIN_HASH_PREFIX <= len(value) <= 2 * nbytes
+            or not _HEX_DIGITS.fullmatch(value)):
+        raise InvalidKey(f"hash must be {2 * nbytes} hex digits, or a unique prefix of at least "
+                         f"{MIN_HASH_PREFIX}")
+    return value.lower()
+
+
+def match_hash_prefix(keys: Iterable[BlockKey], prefix: str) -> list[bytes]:
+    """The chain hashes of ``keys`` (``ns_id || chain_hash``) that start with the hex ``prefix``
+    (an odd count of digits too), in key order. Compares bytes, not hex strings: one pass over
+    a namespace's blocks stays cheap."""
+    whole = bytes.fromhex(prefix[:len(prefix) // 2 * 2])
+    nibble = int(prefix[-1], 16) if len(prefix) % 2 else None
+    at = NS_ID_LEN + len(whole)
+    return sorted(k[NS_ID_LEN:] for k in keys
+                  if k.startswith(whole, NS_ID_LEN) and (nibble is None or (len(k) > at and k[at] >> 4 == nibble)))
+
+
+def ambiguous_prefix_message(prefix: str, matches: list[bytes]) -> str:
+    """The error text for a prefix that names several blocks: a few of them, and how many more."""
+    shown = ", ".join(m.hex() for m in matches[:MAX_LISTED_MATCHES])
+    more = len(matches) - MAX_LISTED_MATCHES
+    return (f"hash prefix {prefix} is ambiguous: {len(matches)} blocks match ({shown}"
+            + (f", and {more} more" if more > 0 else "") + "); give more digits")
 
 
 def parse_ns(value: Any) -> bytes:

@@ -164,7 +164,8 @@ async def test_malformed_input_gets_json_4xx(tmp_path):
         unknown = {"ns": OTHER.ns_id.hex(), "token_ids": [1, 2]}
         assert await error_of(await client.post("/v1/lookup", json=unknown), 404) == "not_found"
         assert await error_of(await client.get(f"/v1/blocks/{NS_HEX[:-1]}g/{h}"), 400) == "invalid_key"
-        assert await error_of(await client.get(f"/v1/blocks/{NS_HEX}/abcd"), 400) == "invalid_key"
+        assert await error_of(await client.get(f"/v1/blocks/{NS_HEX}/abc"), 400) == "invalid_key"  # prefix < 4
+        assert await error_of(await client.get(f"/v1/blocks/{NS_HEX}/{h}ab"), 400) == "invalid_key"  # too long
         assert await error_of(await client.get(f"/v1/blocks/{NS_HEX}/{h}"), 404) == "not_found"
         assert await error_of(await client.get("/v1/blocks?tier=tape"), 400) == "invalid_request"
         assert await error_of(await client.get("/v1/blocks?limit=0"), 400) == "invalid_request"

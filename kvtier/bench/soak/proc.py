@@ -80,9 +80,11 @@ def shm_segments(prefix: str) -> list[str]:
     return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
 
 
-def rest_stats(rest: str, timeout_s: float = 10.0) -> dict[str, Any]:
-    """``GET /v1/stats`` of the daemon's REST API (``rest`` = ``http://host:port``)."""
-    with urllib.request.urlopen(f"{rest}/v1/stats", timeout=timeout_s) as r:
+def rest_stats(rest: str, token: str | None = None, timeout_s: float = 10.0) -> dict[str, Any]:
+    """``GET /v1/stats`` of the daemon's REST API (``rest`` = ``http://host:port``); ``token``: the
+    daemon's token (REST reads need one unless ``rest.public_reads``)."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    with urllib.request.urlopen(urllib.request.Request(f"{rest}/v1/stats", headers=headers), timeout=timeout_s) as r:
         return json.loads(r.read())
 
 

@@ -24,6 +24,7 @@ class Figures:
     """Everything measured around one soak (filled by :class:`kvtier.bench.soak.suite.Run`)."""
 
     idle_private: int = 0  # RssAnon + RssFile of the daemon when it was ready, before any client
+    idle_memory: dict[str, int] = field(default_factory=dict)  # /proc status fields then, bytes
     idle_ping_ms: list[float] = field(default_factory=list)
     stats_before: dict[str, Any] = field(default_factory=dict)  # REST /v1/stats before the clients
     stats_after: dict[str, Any] = field(default_factory=dict)  # ... once they had all gone
@@ -79,6 +80,7 @@ class Figures:
         lines.append("daemon memory at the end (MiB): " + ", ".join(f"{n} {v / MIB:.1f}" for n, v in mem.items()))
         lines.append("daemon memory peaks sampled (MiB): " + ", ".join(f"{n} {v / MIB:.1f}" for n, v in peak.items()))
         lines.append(f"daemon private RSS when idle: {self.idle_private / MIB:.1f} MiB")
+        lines.append("daemon memory when idle (MiB): " + ", ".join(f"{n} {v / MIB:.1f}" for n, v in self.idle_memory.items()))
         lines.append(f"daemon descriptors before: {self.fds_before}; after: {self.fds_after}")
         lines.append(f"client descriptors before/after per process: "
                      f"{[(w['fds_before'], w['fds_after']) for w in self.workers]}")

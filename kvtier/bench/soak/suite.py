@@ -142,6 +142,12 @@ class Run:
         self.rest = m["url"]
         mem = memory(self.pid)
         self.fig.idle_private = mem["RssAnon"] + mem["RssFile"]
+        self.fig.idle_memory = mem
+
+    def stats(self) -> dict[str, Any]:
+        """The daemon's ``/v1/stats``, read with its token."""
+        assert self.daemon is not None, "the daemon runs"
+        return rest_stats(self.rest, self.daemon.token())
 
     @property
     def pid(self) -> int:
@@ -158,7 +164,7 @@ class Run:
             for p in range(work.prefixes - 1, -1, -1):
                 out = c.save(NS_ID, work.blocks_of(p))
                 saved += sum(work.size(p, j) for j, o in enumerate(out) if o == "stored")
-                if saved > target and p % 16 == 0 and _evictions(rest_stats(self.rest))[1] > 0:
+                if saved > target and p % 16 == 0 and _evictions(self.stats())[1] > 0:
                     break
         progress(f"soak: pre-filled {saved / MIB:.0f} MiB in {time.monotonic() - start:.1f} s "
                  f"(tiers {target / MIB:.0f} MiB)")
@@ -167,7 +173,7 @@ class Run:
         """Run the worker processes for the measured window, sampling the daemon meanwhile."""
         plan, daemon = self.plan, self.daemon
         assert daemon is not None, "started"
-        self.fig.stats_before = rest_stats(self.rest)
+        self.fig.stats_before = self.stats()
         self.fig.fds_before = fd_census(self.pid, self.work_dir)
         procs = [self._spawn(i) for i in range(plan.processes)]
         try:
@@ -175,7 +181,7 @@ class Run:
                 line = proc.stdout.readline()  # type: ignore[union-attr]
                 if line.strip() != b"ready":
                     raise RuntimeError(f"soak: a worker did not connect:\n{self._worker_log(procs.index(proc))}")
-            sampler = Sampler(self.pid, lambda: rest_stats(self.rest))
+            sampler = Sampler(self.pid, lambda: self.stats())
             sampler.start()
             progress(f"soak: {plan.clients} clients ({plan.tcp_clients} over TCP) in {plan.processes} "
                      f"processes for {plan.seconds:g} s; working set {plan.work.prefixes} prefixes")
@@ -204,7 +210,7 @@ class Run:
         """Leases, reservations and descriptors once every client has gone; then stop the daemon."""
         deadline = time.monotonic() + 10.0
         while True:  # the daemon releases a connection's leases when it notices the close
-            stats = rest_stats(self.rest)
+            stats = self.stats()
             fds = fd_census(self.pid, self.work_dir)
             settled = stats["gauges"]["leases"] == 0 and fds.get("socket", 0) <= self.fig.fds_before.get("socket", 0)
             if settled or time.monotonic() > deadline:

@@ -12,6 +12,10 @@ Rows (GB/s of KV bytes, higher is better; every timed region ends with a device 
   * ``connector save``: :meth:`KVConnectorCore.save` of those pages (gather on the device, one
     device→host copy per batch, encode, save); next to a device→pinned-host copy of the bytes.
     The blocks are deleted (untimed) after each repetition, so every save stores them again.
+  * ``connector layer-wise save`` / ``layer-wise load``: the same bytes through
+    :meth:`KVConnectorCore.start_save` (each layer copied to pinned staging on the save stream)
+    and :meth:`KVConnectorCore.start_load` (records verified, then each layer copied from pinned
+    staging on the load stream, the compute stream waiting per layer), next to the same raw copies.
   * ``GPU tier copy_in`` / ``copy_out`` with pinned host memory: :class:`kvtier.daemon.store.gpu.GpuTier`
     slots filled from and drained to pinned host blocks, next to the raw pinned copies.
   * ``GPU tier device-to-device``: ``copy_in`` of device tensors into GPU-tier slots, next to a
@@ -200,6 +204,28 @@ def _connector_measure(core: KVConnectorCore, client: Client, ns: Namespace, has
         if loaded != len(hashes):
             raise RuntimeError(f"gpu: the connector loaded {loaded} of {len(hashes)} blocks")
 
+    def layer_save() -> None:
+        save = core.start_save(hashes, pages)
+        for i in range(len(caches)):
+            save.layer_done(i)
+        core.release_pages()
+        assert save.job is not None, "every layer was fed"
+        stored = core.wait(save.job).num_blocks
+        if stored != len(hashes):
+            raise RuntimeError(f"gpu: the connector stored {stored} of {len(hashes)} blocks layer by layer")
+
+    def layer_save_once() -> float:
+        client.delete(ns.ns_id, hashes)
+        return _timed(layer_save, total, device)()
+
+    def layer_load() -> None:
+        load = core.start_load(hashes, pages)
+        for i in range(len(caches)):
+            load.wait_layer(i, core.streams.compute)
+        loaded = load.result().num_blocks
+        if loaded != len(hashes):
+            raise RuntimeError(f"gpu: the connector loaded {loaded} of {len(hashes)} blocks layer by layer")
+
     def h2d() -> None:
         dev.copy_(host, non_blocking=True)
 
@@ -216,11 +242,25 @@ def _connector_measure(core: KVConnectorCore, client: Client, ns: Namespace, has
     load()
     if not all(torch.equal(a, b) for a, b in zip(caches, expected)):
         raise RuntimeError("gpu: the connector loaded other KV than it saved")
+    progress(f"gpu: connector layer-wise save, {label}")
+    kv_lsave, base_lsave = alternate(layer_save_once, _timed(d2h, total, device), repetitions=reps)
+    progress(f"gpu: connector layer-wise load, {label}")
+    kv_lload, base_lload = alternate(_timed(layer_load, total, device), _timed(h2d, total, device), repetitions=reps)
+    for c in caches:
+        c.zero_()
+    layer_load()
+    _sync(device)
+    if not all(torch.equal(a, b) for a, b in zip(caches, expected)):
+        raise RuntimeError("gpu: the connector loaded other KV layer by layer than it saved")
     return [
         throughput_row(f"connector save (device→daemon), {label}", "throughput", "GB/s", kv_save,
                        "torch copy_ device→pinned", base_save),
         throughput_row(f"connector load (daemon→device), {label}", "throughput", "GB/s", kv_load,
                        "torch copy_ pinned→device", base_load),
+        throughput_row(f"connector layer-wise save (device→daemon), {label}", "throughput", "GB/s", kv_lsave,
+                       "torch copy_ device→pinned", base_lsave),
+        throughput_row(f"connector layer-wise load (daemon→device), {label}", "throughput", "GB/s", kv_lload,
+                       "torch copy_ pinned→device", base_lload),
     ]
 
 

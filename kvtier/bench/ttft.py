@@ -27,6 +27,15 @@ Rows, per prompt length:
     SDPA) with the prefix loaded into a ``DynamicCache`` by :mod:`kvtier.connector.hf_cache`,
     next to HF computing all L tokens, and next to HF continuing a cache already in memory.
 
+  * ``engine L (L/2 stored, partial hit)`` TTFT layer-wise vs load-then-compute: half the
+    prompt stored, the other half computed; the reference engine loading the stored half layer
+    by layer while the suffix's layers compute (``Engine(layerwise=True)``, its default), next to
+    the same engine loading every block before the forward (``layerwise=False``). One row per
+    length, in the same run; the two give ``torch.equal`` logits (checked).
+
+``--device cuda`` runs the reference engine (model and paged KV) on the GPU: its loads and saves
+then go through pinned staging and the connector's copy streams. HF rows stay on the CPU.
+
 The prefixes are stored by the reference engine and loaded by HF as well: one namespace per
 checkpoint, so HF reuses the engine's KV ("prefill once, decode anywhere"). The model is a random
 checkpoint (``make_random_checkpoint``, fixed seed) unless ``--model`` names one. TTFT is the
@@ -78,6 +87,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="weights and KV dtype (default float32: this CPU has no bf16 GEMM)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--engines", choices=("both", "engine", "hf"), default="both", help="which engines to run")
+    parser.add_argument("--device", default="cpu",
+                        help="torch device of the reference engine (default cpu; cuda: model and KV on the GPU)")
     parser.add_argument("--profile", metavar="PREFIX", default=None,
                         help="cProfile one hit per engine at the longest length into PREFIX-<engine>-s<suffix>.prof "
                              "(top functions on stderr)")
@@ -98,10 +109,13 @@ def run(args: argparse.Namespace) -> SuiteResult:
         cfg = load_config(model_dir)
         if max(lengths) >= cfg.max_position_embeddings:
             raise ValueError(f"ttft: the model has {cfg.max_position_embeddings} positions, < {max(lengths) + 1}")
-        plans = [_Plan(model_dir, lengths, s, reps, dtype, cfg.vocab_size, args.profile) for s in suffixes]
+        device = getattr(args, "device", "cpu")
+        plans = [_Plan(model_dir, lengths, s, reps, dtype, cfg.vocab_size, args.profile, device) for s in suffixes]
         ns = namespace_for_checkpoint(model_dir, kv_dtype=dtype)
-        # Every prefix, plus the suffix blocks each engine hit saves after its first token.
-        blocks = sum(n + 4 * reps * s for n in lengths for s in suffixes) // ns.block_tokens
+        # Every prefix, plus the suffix blocks each engine hit saves after its first token, plus
+        # the partial hits' halves (stored, and saved by every hit).
+        blocks = (sum(n + 4 * reps * s for n in lengths for s in suffixes) + sum(n + 2 * reps * n for n in lengths)) \
+            // ns.block_tokens
         stored = blocks * ns.block_payload_bytes()
         flags = ["--rest", "off", "--host-bytes", str(max(256 * MIB, 2 * stored)), "--disk-bytes", "0"]
         daemon = BenchDaemon(work, flags, suite="ttft")
@@ -115,6 +129,8 @@ def run(args: argparse.Namespace) -> SuiteResult:
                     result.rows += _hf_rows(plan, daemon.address)
                 if args.engines in ("both", "engine"):
                     result.rows += _engine_rows(plan, daemon.address)
+            if args.engines in ("both", "engine"):
+                result.rows += _partial_rows(plans[0], daemon.address)
             return result
         finally:
             daemon.stop()
@@ -133,6 +149,7 @@ class _Plan:
     dtype: torch.dtype
     vocab: int
     profile: str | None    # cProfile output prefix, or None
+    device: str = "cpu"    # the reference engine's device
     block_tokens: int = 16  # the engine's default page, and the namespace's block
 
     def tokens(self, n: int, seed: int) -> list[int]:
@@ -164,7 +181,7 @@ def _random_model(work: Path, args: argparse.Namespace, dtype: torch.dtype) -> P
 
 
 def _engine_rows(plan: _Plan, address: str) -> list[Row]:
-    kw = dict(dtype=plan.dtype, max_step_tokens=max(plan.lengths))
+    kw = dict(dtype=plan.dtype, max_step_tokens=max(plan.lengths), device=plan.device)
     rows: list[Row] = []
     with Engine(plan.model_dir, kvtier_address=address, **kw) as kv, Engine(plan.model_dir, **kw) as plain:
         for length in plan.lengths:
@@ -207,6 +224,60 @@ def _engine_rows(plan: _Plan, address: str) -> list[Row]:
             kv.reset_prefix_cache()
             _profiled(f"{plan.profile}-engine-s{plan.suffix}.prof",
                       lambda: _engine_ttft(kv, plan.prompt(max(plan.lengths), PROFILE_K)))
+    return rows
+
+
+def _partial_rows(plan: _Plan, address: str) -> list[Row]:
+    """Half of each prompt stored: layer-wise overlapped load vs load-then-compute, alternating."""
+    kw = dict(dtype=plan.dtype, max_step_tokens=max(plan.lengths), device=plan.device, kvtier_address=address)
+    rows: list[Row] = []
+    with Engine(plan.model_dir, layerwise=True, **kw) as layered, Engine(plan.model_dir, layerwise=False, **kw) as whole:
+        for length in plan.lengths:
+            stored = length // 2
+            prefix = plan.tokens(stored, seed=length + (1 << 30))
+            assert layered.connector is not None
+            if layered.connector.lookup(layered.connector.block_hashes(prefix)) < stored // plan.block_tokens:
+                progress(f"ttft: engine {length}: computing and storing the {stored}-token half for partial hits")
+                layered.generate([prefix], ONE)
+            calls = {"layered": 0, "whole": 0}
+            logits: dict[str, list[torch.Tensor]] = {"layered": [], "whole": []}
+
+            def timed(engine: Engine, role: str) -> float:
+                # the k-th hit of each side answers the same fresh prompt: comparable logits
+                k, calls[role] = calls[role], calls[role] + 1
+                engine.reset_prefix_cache()  # the stored half must come from kvtier
+                t, out = _engine_ttft(engine, prefix + plan.tokens(length - stored, seed=(length << 21) + (1 << 40) + k))
+                _expect(out.loaded_tokens == stored, f"partial hit loaded {out.loaded_tokens} of {stored} tokens")
+                logits[role].append(out.first_logits)
+                return t
+
+            # The whole-block side's hit saves the suffix it computed; the layer-wise side's hit
+            # of the same prompt then finds it stored too. Delete what each hit saved past the half.
+            def forget(engine: Engine, role: str) -> None:
+                assert engine.connector is not None
+                k = calls[role] - 1
+                prompt = prefix + plan.tokens(length - stored, seed=(length << 21) + (1 << 40) + k)
+                engine.connector.client.delete(engine.connector.ns.ns_id,
+                                               engine.connector.block_hashes(prompt)[stored // plan.block_tokens:])
+
+            def layer_hit() -> float:
+                t = timed(layered, "layered")
+                forget(layered, "layered")
+                return t
+
+            def whole_hit() -> float:
+                t = timed(whole, "whole")
+                forget(whole, "whole")
+                return t
+
+            kv_s, base_s = alternate(layer_hit, whole_hit, repetitions=plan.reps, warmup=0)
+            case = f"engine {length} ({stored} stored, partial hit)"
+            rows.append(latency_row(case, "TTFT layer-wise vs load-then-compute", "ms", kv_s,
+                                    "engine, whole blocks loaded before the forward", base_s))
+            _expect(all(torch.equal(a, b) for a, b in zip(logits["layered"], logits["whole"])),
+                    "layer-wise and whole-block partial hits gave different logits")
+            r = rows[-1]
+            progress(f"ttft: {r.case} {r.metric}: {r.kvtier:.1f} ms vs {r.baseline:.1f} ms -> {r.ratio:.2f}x")
     return rows
 
 

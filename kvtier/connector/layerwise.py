@@ -16,6 +16,13 @@ it is trusted before all of it is in and verified. A load therefore runs in two 
    copy is queued and makes the engine's compute wait for it. Layer ``i + 1`` is copied while the
    engine computes layer ``i``.
 
+On a host with synchronous streams (:func:`kvtier.connector.streams.host_streams`, CPU caches)
+phase 2 runs in the consumer's thread: :meth:`LayerLoad.wait_layer` places layer ``i`` when the
+engine reaches it. A copy on another thread would compete with the engine's compute for the
+cores and the GIL (which made a partial hit slower, not faster, on a loaded 2-core host), and a
+host's copies are not asynchronous anyway; the overlap is a GPU's, whose copy engines run beside
+its compute. Any other stream (a CUDA stream, a test's) gets phase 2 on the load thread.
+
 A save copies layer ``i`` of its pages to host staging once the compute that wrote them is done
 (:meth:`LayerSave.layer_done`, ordered by an event on the compute stream); after the last layer,
 the blocks are encoded and stored on the core's job thread, as :meth:`KVConnectorCore.submit_save`
@@ -24,6 +31,7 @@ does. See :mod:`kvtier.connector.streams` for the ordering rules.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from collections.abc import Callable, Sequence
@@ -34,7 +42,7 @@ import torch
 from kvtier.connector.blocks import decode_stacked, kv_dtype, raw_payload
 from kvtier.connector.jobs import JobResult
 from kvtier.connector.pages import PageLayout
-from kvtier.connector.streams import DONE, Event, Staging, Stream, Streams, typed
+from kvtier.connector.streams import DONE, DoneEvent, Event, HostStream, Staging, Stream, Streams, typed
 from kvtier.connector.transfer import Transfer, _bad_block
 from kvtier_protocol.layouts import convert_many
 
@@ -62,6 +70,26 @@ class LayerLoad:
         self._error: str | None = None
         self._ready: list[Event | None] = [None] * num_layers
         self._waiting: int | None = None
+        self._placers: list[Callable[[], None]] | None = None  # phase 2 left to the consumer
+        self._placing = threading.Lock()
+
+    def _defer(self, placers: list[Callable[[], None]]) -> None:
+        """Leave phase 2 to the consumer: ``placers[i]()`` places layer ``i`` (in its thread)."""
+        with self._cond:
+            self._placers = placers
+            self._cond.notify_all()
+
+    def _place_through(self, layer: int) -> None:
+        """Place every layer up to ``layer`` not placed yet, in this thread (deferred loads)."""
+        with self._placing:
+            for i in range(layer + 1):
+                with self._cond:
+                    if self._ready[i] is not None:
+                        continue
+                    placers = self._placers
+                assert placers is not None
+                placers[i]()
+                self._release(i, DONE)
 
     # -- the load thread ---------------------------------------------------------------------------
 
@@ -118,6 +146,11 @@ class LayerLoad:
             TimeoutError: the layer was not released within ``timeout_s``.
         """
         with self._cond:
+            self._cond.wait_for(lambda: self._count is not None, timeout_s)
+            deferred = self._placers is not None
+        if deferred:
+            self._place_through(layer)
+        with self._cond:
             if self._ready[layer] is None:
                 self.trace.append(("wait", layer))
                 self._waiting = layer
@@ -143,6 +176,11 @@ class LayerLoad:
         Raises:
             TimeoutError: not every layer was in place within ``timeout_s``.
         """
+        with self._cond:
+            self._cond.wait_for(lambda: self._count is not None, timeout_s)
+            deferred = self._placers is not None
+        if deferred:
+            self._place_through(self.num_layers - 1)
         with self._cond:
             if not self._cond.wait_for(lambda: all(e is not None for e in self._ready), timeout_s):
                 raise TimeoutError(f"layer-wise load not in place within {timeout_s} s")
@@ -208,6 +246,10 @@ def _load(load: LayerLoad, transfer: Transfer, keys: list[bytes], caches: Sequen
     axis = layout.page_axis
     if device.type == "cpu":
         pages = index.tolist()
+        if isinstance(streams.load, HostStream) and all(isinstance(e, DoneEvent) for e in after):
+            load._defer([functools.partial(_place_host, i, cache, views, pages, index, raw, groups, axis)
+                         for i, cache in enumerate(caches)])
+            return
         for i, cache in enumerate(caches):
             streams.load.run(lambda i=i, cache=cache: _place_host(i, cache, views, pages, index, raw, groups, axis))
             load._release(i, streams.load.record_event())

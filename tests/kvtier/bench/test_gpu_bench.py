@@ -20,7 +20,8 @@ from kvtier.bench.report import Row
 from kvtier.cli import main
 
 CASES = ["GPU tier copy_in from pinned host", "GPU tier copy_out to pinned host", "GPU tier device-to-device",
-         "connector save (device→daemon)", "connector load (daemon→device)"]
+         "connector save (device→daemon)", "connector load (daemon→device)",
+         "connector layer-wise save (device→daemon)", "connector layer-wise load (daemon→device)"]
 
 
 @pytest.fixture

@@ -32,6 +32,7 @@ def test_quick_ttft_bench_writes_json(tmp_path: Path, monkeypatch: pytest.Monkey
     got = {(r["case"], r["metric"]) for r in doc["rows"]}
     want = {(f"{engine} {n} ({n - suffix} stored)", metric) for engine in ("engine", "hf") for n in (128, 256)
             for suffix in (16, 32) for metric in ("TTFT", "TTFT vs resident", "ceiling: resident vs prefill")}
+    want |= {(f"engine {n} ({n // 2} stored, partial hit)", "TTFT layer-wise vs load-then-compute") for n in (128, 256)}
     assert got == want
     for row in doc["rows"]:
         assert set(row) == names and row["unit"] == "ms"

@@ -3,8 +3,9 @@
 Every command talks to a running daemon over REST (``--rest``, else ``$KVTIER_REST``, else the
 configuration's ``rest.listen``, else ``http://127.0.0.1:7471``) with the standard library only.
 Output is a human-readable table, or the daemon's JSON with ``--json``. Mutations (clear,
-check) send the daemon's token: ``--token-file``, else the configuration's token
-(``KVTIER_TOKEN``, ``auth.token``, ``auth.token_file``, ``<data_dir>/token``). ``--tenant NAME``
+check) send the daemon's token: the file ``--token-file`` names, else the token itself
+(``KVTIER_TOKEN``, ``auth.token``), else a token file (``KVTIER_TOKEN_FILE``, ``auth.token_file``,
+``<data_dir>/token``): the rule of :data:`kvtier.commands.serve.TOKEN_RULE`. ``--tenant NAME``
 works on a tenant's store instead of the default one: with the admin token, or with that
 tenant's own token (``--token-file``); every command then sends the token.
 
@@ -45,8 +46,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--tenant", metavar="NAME", default=None,
                    help="work on this tenant's store (needs the admin token or the tenant's own --token-file)")
     g.add_argument("--token-file", metavar="FILE", default=None,
-                   help="file holding the daemon's (or a tenant's) token (default: $KVTIER_TOKEN, the "
-                        "configuration's auth.token / auth.token_file, else <data_dir>/token)")
+                   help="file holding the daemon's (or a tenant's) token; without it: the token itself from "
+                        "$KVTIER_TOKEN (or auth.token), else the file $KVTIER_TOKEN_FILE (or auth.token_file), "
+                        "else <data_dir>/token")
 
     def add(name: str, func: Callable[[RestClient, argparse.Namespace], int], text: str,
             needs_token: bool = False) -> argparse.ArgumentParser:

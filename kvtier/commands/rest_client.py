@@ -94,7 +94,7 @@ class RestClient:
         if getattr(args, "token_file", None):
             token = _read_token(args.token_file, missing_ok=False)
         elif cfg is not None and cfg.auth.token:
-            token = cfg.auth.token
+            token = _token_value(cfg.auth.token)
         elif cfg is not None:
             path = cfg.auth.token_file or os.path.join(cfg.data_dir, "token")
             try:
@@ -104,7 +104,7 @@ class RestClient:
                     raise
             hint = f"no readable token in {path}; " + hint
         elif env.get("KVTIER_TOKEN"):
-            token = env["KVTIER_TOKEN"].strip()
+            token = _token_value(env["KVTIER_TOKEN"].strip())
         return cls(base, args.timeout, token, hint, tenant, always=True)
 
     def get(self, path: str, *, ok_statuses: tuple[int, ...] = ()) -> Any:
@@ -152,6 +152,17 @@ class RestClient:
             return f"the daemon at {self.base} answered HTTP {status}"
         text = f"{err.get('code', 'error')}: {err.get('message', '')}"
         return text + f" ({self._token_hint})" if status == 401 else text
+
+
+def _token_value(token: str) -> str:
+    """``KVTIER_TOKEN`` / ``auth.token`` as the token itself; refused when it names a file (see
+    :data:`kvtier.commands.serve.TOKEN_RULE`)."""
+    from kvtier.commands.serve import token_value_problem
+
+    problem = token_value_problem(token, "KVTIER_TOKEN (auth.token)")
+    if problem is not None:
+        raise CommandError(problem)
+    return token
 
 
 def _decode(raw: bytes, base: str, *, strict: bool = True) -> Any:

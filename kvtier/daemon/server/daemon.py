@@ -45,6 +45,7 @@ from kvtier.daemon.server.rest_guard import GatedSite, handler_args, rest_connec
 from kvtier.daemon.server.sdnotify import SdNotifier
 from kvtier.daemon.store.config import StoreConfig, StoreConfigError
 from kvtier.daemon.store.owner import private_dir
+from kvtier.daemon.server.remote_setup import remote_args
 from kvtier.daemon.store.store import TieredStore
 
 log = logging.getLogger(__name__)
@@ -144,7 +145,7 @@ class Daemon:
         private_dir(cfg.data_dir)  # 0700 whatever the umask; a pre-existing one of ours is tightened
         store_cfg = gpu_checked(cfg.store)
         _log_tiers(store_cfg)
-        self._store = TieredStore(store_cfg)
+        self._store = TieredStore(store_cfg, **remote_args(cfg, None))
         await self._store.start()
         self._metrics = Metrics(gpu=nvidia_driver_present())
         self._tenants = await tenancy.open_tenants(cfg, self._metrics, gpu_checked)

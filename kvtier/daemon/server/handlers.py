@@ -32,6 +32,7 @@ from kvtier_protocol.namespace import Namespace
 from kvtier_protocol.buffers import PayloadBuffers
 from kvtier.daemon.server.events import BlockTokens
 from kvtier.daemon.server.inline import check_records, copy_checked, copy_out, run_sized
+from kvtier.daemon.server.remote_views import remote_view
 from kvtier.daemon.store.results import PlaceStatus, PutStatus
 from kvtier.daemon.store.types import Slot
 
@@ -137,7 +138,10 @@ class RequestHandler:
 
     async def _lookup(self, req: fr.LookupRequest, session: Session) -> fr.Message:
         store = self.scope(session).store
-        num_hits, names = store.lookup_names(req.ns_id, req.hashes)
+        if store.remote.enabled:  # the rest of the prefix from the cluster, within the lookup budget
+            num_hits, names = await store.lookup_remote(req.ns_id, req.hashes)
+        else:
+            num_hits, names = store.lookup_names(req.ns_id, req.hashes)
         ns = _namespace(store, req.ns_id)
         if ns is not None:  # unknown namespace: tokens per block unknown, nothing counted
             misses = len(req.hashes) - num_hits
@@ -434,6 +438,7 @@ def stats_map(ctx: DaemonContext, store: TieredStore | None = None) -> dict[str,
                                    "blocks": g.blocks} for t, g in gauges.tiers.items()},
         "blocks": gauges.blocks, "pending": gauges.pending, "leases": gauges.leases,
         "fragmentation": gauges.fragmentation,
+        **({"remote": remote_view(store.remote)} if store.remote.enabled else {}),
     }
 
 

@@ -38,6 +38,7 @@ from prometheus_client.utils import floatToGoString
 
 from kvtier import __version__
 from kvtier.daemon.server.collector import PAUSE_BUCKETS, CollectorPolicy
+from kvtier.daemon.server.remote_views import remote_metrics
 from kvtier.daemon.store.types import Tier
 
 if TYPE_CHECKING:
@@ -167,6 +168,8 @@ class StoreCollector(Collector):
                     if tier in gauges.tiers:
                         fam.add_metric([tenant, tier_label(tier)], getattr(gauges.tiers[tier], e.field))
             yield fam
+        yield from remote_metrics([(scope.label, scope.store.remote) for scope in ctx.scopes()
+                                   if shown is None or scope.tenant in shown])
         yield GaugeMetricFamily("kvtier_ready", "1 once the daemon serves, 0 while starting or stopping.",
                                 value=1.0 if ctx.ready else 0.0)
 

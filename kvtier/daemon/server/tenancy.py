@@ -31,6 +31,7 @@ from kvtier.daemon.server.auth import Principal
 from kvtier.daemon.server.context import DaemonContext, Scope
 from kvtier.daemon.server.events import EventHub, EventMetrics
 from kvtier.daemon.store.config import StoreConfig
+from kvtier.daemon.server.remote_setup import remote_args
 from kvtier.daemon.store.store import TieredStore
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ async def open_tenants(config: DaemonConfig, metrics: EventMetrics | None,
             log.info("kvtierd tenant %s: host %d B, disk %s, gpu %d B", tenant.name, store_cfg.host_bytes,
                      f"{store_cfg.disk_bytes} B at {store_cfg.disk_path}" if store_cfg.disk_path else "off",
                      store_cfg.gpu_bytes)
-            store = TieredStore(store_cfg)
+            store = TieredStore(store_cfg, **remote_args(config, tenant.name))
             await store.start()
             hub = EventHub(tenant.events_config(config.events), metrics)
             scopes[tenant.name] = Scope(tenant.name, store, hub)

@@ -58,6 +58,7 @@ class BlockMeta:
     moving: bool = False  # a transactional move is in flight; not a victim meanwhile
     linked: bool = False  # reachable by key (False: deleted while leased, or never added)
     queued: int = 0  # the LRU queues holding it, as bits (_QUEUE_BITS); BlockIndex._refresh's own
+    remote: bool = False  # a copy went to (or came from) the remote tier; it may be evicted there since
 
     @property
     def ns_id(self) -> bytes:
@@ -89,6 +90,14 @@ class BlockMeta:
     def tiers(self) -> list[Tier]:
         """Tiers holding a copy, fastest first."""
         return [t for t in TIERS if self.in_tier(t)]
+
+    @property
+    def shown_tiers(self) -> list[Tier]:
+        """:attr:`tiers`, plus REMOTE when a copy went to (or came from) the remote tier: what
+        inspection shows. Not :attr:`tiers`, which decides whether the block is left anywhere
+        locally (the remote copy is not this store's to count on)."""
+        local = self.tiers
+        return local + [Tier.REMOTE] if self.remote else local
 
     @property
     def fastest_tier(self) -> Tier | None:

@@ -27,6 +27,7 @@ from kvtier.daemon.store.disk import DiskTier
 from kvtier.daemon.store.host import HostTier
 from kvtier.daemon.store.index import BlockIndex, BlockMeta
 from kvtier.daemon.store.policy import AdmissionFilter
+from kvtier.daemon.store.remote_link import RemoteLink
 from kvtier.daemon.store.stats import EventKind, EventLog, StoreCounters, StoreEvent
 from kvtier.daemon.store.transfers import gpu_snapshot_verified, gpu_to_host, snapshot_verified
 from kvtier.daemon.store.types import NS_ID_LEN, BlockKey, Slot, Tier
@@ -57,6 +58,7 @@ class Mover:
         self.admission = admission
         self.pool = pool
         self.zombies: set[BlockMeta] = set()  # removed while leased: freed at their last release
+        self.remote: RemoteLink | None = None  # the remote tier (RemoteLink.attach sets it)
 
     async def run(self, fn: Callable[..., R], *args: Any) -> R:
         """Run blocking work (disk I/O, a large copy) on the I/O pool."""
@@ -131,6 +133,8 @@ class Mover:
             else:
                 # A block still in GPU memory goes down later, through host, when the GPU evicts it.
                 await self._demote_to_disk([m for m in victims if m.gpu_slot is None and self.wants_disk(m)])
+                if self.remote is not None:  # write-back: the records are copied before the slots go
+                    await self.remote.offer_copies([m for m in victims if m.gpu_slot is None])
         finally:
             for meta in victims:
                 self.index.set_moving(meta, False)
@@ -277,6 +281,8 @@ class Mover:
                 c.tiers[Tier.HOST].bytes_in += meta.size
                 self.index.mark_host_checked(meta)  # verified as it was copied down
                 self.emit(EventKind.STORED, Tier.HOST, meta)
+                if self.remote is not None:  # write-through of a block committed into GPU memory
+                    self.remote.offer(meta)
             else:
                 c.checksum_failures += 1  # the GPU copy is bad: drop it, never keep it below
                 self.free_copy(meta, Tier.HOST, announce=False)

@@ -18,11 +18,12 @@ afterwards; its source copy is kept too.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 
 from kvtier_protocol.errors import StorageError
 
 from kvtier.daemon.store.index import BlockIndex, BlockMeta
+from kvtier.daemon.store.remote_link import Fetched
 from kvtier.daemon.store.lease import LeaseKind, LeaseTable
 from kvtier.daemon.store.moves import Mover
 from kvtier.daemon.store.results import EMPTY_ACQUIRED, Acquired, AcquiredBlock
@@ -42,11 +43,15 @@ class BlockReader:
         self.counters = counters
         self.now = now
 
-    async def acquire(self, keys: list[BlockKey], ttl: float, tier: Tier) -> Acquired:
-        """Lease the stored prefix of ``keys`` (see ``TieredStore.acquire``)."""
+    async def acquire(self, keys: list[BlockKey], ttl: float, tier: Tier,
+                      fetched: Mapping[BlockKey, Fetched] | None = None) -> Acquired:
+        """Lease the stored prefix of ``keys`` (see ``TieredStore.acquire``); ``fetched``: verified
+        remote records that may continue the local prefix (placed into host slots first)."""
         in_place = tier is Tier.GPU
         metas = self.index.lookup(keys)
         self.index.lease_all(metas)  # pins the memory copies while promotion makes room
+        if fetched and len(metas) < len(keys):
+            metas += await self.adopt_remote(keys[len(metas):], fetched)
         if not in_place and all(m.host_slot is not None for m in metas):
             return self._serve_host(keys, metas, ttl)
         found_in = [_source(m, in_place) for m in metas]
@@ -91,6 +96,58 @@ class BlockReader:
             blocks.append(AcquiredBlock(meta.chain_hash, meta.host_slot, meta.header, host, host,  # type: ignore[arg-type]
                                         meta.host_checked))
         return Acquired(lease.lease_id, blocks, lease.expires_at)
+
+    async def adopt_remote(self, keys: Sequence[BlockKey], fetched: Mapping[BlockKey, Fetched]) -> list[BlockMeta]:
+        """Place the run of ``keys`` found in ``fetched`` (verified remote records) into host
+        slots and commit them, leased once each, as the blocks a client reads: they are served
+        as host hits. Stops at the first key without a record, one the index has (a client is
+        writing it), or one that gets no host slot."""
+        mover, index = self.mover, self.index
+        todo: list[Fetched] = []
+        for key in keys:
+            got = fetched.get(key)
+            if got is None or index.get(key) is not None:
+                break
+            todo.append(got)
+        if not todo:
+            return []
+        placed: list[tuple[BlockMeta, Fetched]] = []
+        try:
+            await mover.make_room(Tier.HOST, sum(f.parsed.payload_len for f in todo))
+            for got in todo:
+                if index.get(got.key) is not None:  # nothing adds keys meanwhile (the mutex); kept plain
+                    break
+                slot = await mover.allocate(Tier.HOST, got.parsed.payload_len)
+                if slot is None:
+                    break
+                meta = BlockMeta(got.key, got.parsed.payload_len)
+                index.add(meta)  # pending: invisible and never a victim until committed below
+                index.place(meta, Tier.HOST, slot)
+                placed.append((meta, got))
+            if placed:
+                await mover.run(_copy_payloads, [mover.host.view(m.host_slot) for m, _ in placed],
+                                [f.payload for _, f in placed])
+        except BaseException:
+            for meta, _ in placed:
+                mover.free_memory(meta, announce=False)
+            raise
+        now = self.now()
+        c = self.counters
+        out = []
+        for meta, got in placed:
+            h = got.parsed
+            index.commit(meta, got.header, h.parent_hash, h.num_tokens, h.checksum, now)
+            index.mark_host_checked(meta)  # verified as it was fetched
+            meta.remote = True
+            index.lease(meta)
+            c.tiers[Tier.HOST].bytes_in += meta.size
+            mover.emit(EventKind.STORED, Tier.HOST, meta)
+            out.append(meta)
+        if mover.remote is not None:
+            mover.remote.counters.fetched_blocks += len(out)
+            mover.remote.counters.fetched_bytes += sum(m.size for m in out)
+        mover.host.journal_flush()
+        return out
 
     async def promote(self, metas: list[BlockMeta], *, gpu_in_place: bool = False) -> int:
         """Give the blocks of a prefix a host copy where they need one, verifying each copy.
@@ -174,6 +231,12 @@ class BlockReader:
         except StorageError:
             self.counters.storage_errors += 1
             return ["error"] * len(metas)
+
+
+def _copy_payloads(slots: Sequence[memoryview], payloads: Sequence[memoryview]) -> None:
+    """Copy verified payloads into the host slots placed for them (on the I/O pool)."""
+    for slot, payload in zip(slots, payloads):
+        slot[:len(payload)] = payload
 
 
 def _served(meta: BlockMeta, gpu_in_place: bool) -> bool:

@@ -119,7 +119,7 @@ class BlockInfo:
 
     @staticmethod
     def of(meta: BlockMeta) -> BlockInfo:
-        return BlockInfo(meta.ns_id, meta.chain_hash, meta.parent_hash, meta.num_tokens, meta.size, meta.tiers,
+        return BlockInfo(meta.ns_id, meta.chain_hash, meta.parent_hash, meta.num_tokens, meta.size, meta.shown_tiers,
                          meta.priority, meta.hits, meta.last_access, meta.leases, meta.header)
 
 

@@ -6,6 +6,8 @@
     get:  lookup(ns, hashes) ─► acquire(ns, hashes) ─► client reads host.view(slot) ─► release(lease)
 
     tiers:  GPU ──evict──► host (shm) ──evict──► disk (files + RocksDB meta)   every move verified by checksum
+            remote (a cluster shared by many hosts, optional): looked up and fetched below disk,
+            uploaded at commit (write-through) or at host eviction (write-back); kvtier.daemon.store.remote_link
 
 ``reserve(..., tier=Tier.GPU)`` puts into the GPU tier (the client writes ``gpu.tensor(slot)``);
 ``acquire`` serves from host, promoting disk blocks and copying GPU-only blocks down;
@@ -42,12 +44,14 @@ from kvtier.daemon.store.lease import Lease, LeaseKind, LeaseTable
 from kvtier.daemon.store.moves import MEMORY_TIERS, Mover
 from kvtier.daemon.store.parts import Shared, StoreParts, close_parts, open_parts
 from kvtier.daemon.store.policy import AdmissionFilter
+from kvtier.daemon.store.remote_link import Fetched, RemoteLink, RemoteOptions
 from kvtier.daemon.store.results import Acquired, BlockInfo, CheckReport, LookupResult, PlaceStatus, Reservation
 from kvtier.daemon.store.scrub import CommitScrubber
 from kvtier.daemon.store.stats import EventLog, StoreCounters, StoreEvent, StoreGauges, TierGauges
 from kvtier.daemon.store.types import BlockKey, Tier
 
 if TYPE_CHECKING:
+    from kvtier.daemon.remote.backend import RemoteBlocks
     from kvtier.daemon.store.gpu import GpuTier
 
 log = logging.getLogger(__name__)
@@ -59,13 +63,17 @@ class TieredStore:
     Args:
         config: the settings.
         now: the clock for leases and recency (seconds, monotonic); injectable for tests.
+        remote: the remote tier below disk (:mod:`kvtier.daemon.store.remote_link`); None: none.
+            The store closes it at :meth:`close`.
+        remote_options: how this store uses it (tenant, write mode, upload queue, lookup budget).
 
     Raises:
         StoreConfigError: ``gpu_bytes > 0`` on a CUDA ``gpu_device`` where CUDA is not available
             (checked here, before anything is opened; only then is torch imported).
     """
 
-    def __init__(self, config: StoreConfig, *, now: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, config: StoreConfig, *, now: Callable[[], float] = time.monotonic,
+                 remote: RemoteBlocks | None = None, remote_options: RemoteOptions | None = None) -> None:
         if config.gpu_bytes:
             from kvtier.daemon.store.gpu_setup import check_gpu_device
 
@@ -88,6 +96,7 @@ class TieredStore:
         self._started = False
         # What start() adopted of the host tier a crashed daemon left (None: fresh segments).
         self.host_recovery: HostRecovery | None = None
+        self.remote = RemoteLink(remote, remote_options)
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -106,6 +115,7 @@ class TieredStore:
         if self._parts.disk is not None:  # the namespaces saved before the restart
             self._namespaces.update({ns.ns_id: ns for ns in self._parts.disk.namespaces()})
         self.host_recovery = shared.recovery[0] if shared.recovery else None
+        self.remote.attach(self._parts.mover)
         if self.config.scrub_commits:
             self._scrubber = CommitScrubber(self.index, self._parts.mover, self._counters, self._mutex)
             self._scrubber.start()
@@ -126,6 +136,7 @@ class TieredStore:
         scrubber, self._scrubber = self._scrubber, None
         if scrubber is not None:
             await scrubber.stop()
+        await self.remote.close()  # uploads what is queued while the host copies are still there
         async with self._mutex:
             if self._parts is None:
                 return
@@ -175,6 +186,8 @@ class TieredStore:
         """Commits into ``ns.ns_id`` will be checked against this namespace's geometry. A new one
         is saved with the disk tier (a small metadata write), so a restart still knows it."""
         new = ns.ns_id not in self._namespaces
+        if new:
+            self.remote.offer_namespace(ns)  # so daemons that never saw it can serve its blocks
         self._namespaces[ns.ns_id] = ns
         disk = self.disk
         if new and disk is not None:
@@ -213,6 +226,21 @@ class TieredStore:
         self._count_lookup(len(keys), len(names))
         return len(names), names
 
+    async def lookup_remote(self, ns_id: bytes, hashes: Sequence[bytes]) -> tuple[int, list[str]]:
+        """:meth:`lookup_names`, then the remote tier for the rest of the prefix (within the
+        lookup budget): its run of hits is named ``"remote"``. Without a remote tier, the same.
+
+        Raises:
+            InvalidKey, InvalidRequest: malformed keys.
+        """
+        n, names = self.lookup_names(ns_id, hashes)
+        if self.remote.enabled and n < len(hashes):
+            keys = check.check_keys(self.config, ns_id, hashes[n:])
+            more = await self.remote.lookup(keys)
+            names += ["remote"] * more
+            n += more
+        return n, names
+
     def _count_lookup(self, num_keys: int, num_hits: int) -> None:
         c = self._counters
         c.lookups += 1
@@ -240,10 +268,23 @@ class TieredStore:
         ttl = check.check_lease_seconds(self.config, lease_s)
         if tier not in MEMORY_TIERS:
             raise InvalidRequest(f"acquire serves from host or GPU memory, not {tier!r}")
+        fetched = await self._fetch_remote(ns_id, keys) if self.remote.enabled else None
         async with self._mutex:
             reader = self.parts.reader
             self.reclaim_expired()
-            return await reader.acquire(keys, ttl, tier)
+            return await reader.acquire(keys, ttl, tier, fetched)
+
+    async def _fetch_remote(self, ns_id: bytes, keys: list[BlockKey]) -> dict[BlockKey, Fetched] | None:
+        """The verified remote records of the keys after the local prefix (fetched outside the
+        mutex: the network never holds up other operations), by key; None when there are none."""
+        n = len(self.index.lookup(keys))
+        if n == len(keys) or self._parts is None:
+            return None
+        # A namespace this daemon never saw is learnt from the cluster (verified), in the same wait.
+        got, learnt = await self.remote.fetch(ns_id, keys[n:], self._namespaces.get(ns_id))
+        if learnt is not None and ns_id not in self._namespaces:
+            self._namespaces[ns_id] = learnt
+        return {f.key: f for f in got} or None
 
     def release(self, lease_id: int) -> bool:
         """End a lease: a get lease unpins its blocks; a put lease or a grant abandons its

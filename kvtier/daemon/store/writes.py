@@ -184,6 +184,9 @@ class BlockWriter:
         tier = _GPU if meta.gpu_slot is not None else _HOST  # where it was reserved
         c.tiers[tier].bytes_in += meta.size
         self.mover.emit(_STORED, tier, meta)
+        remote = self.mover.remote
+        if remote is not None and tier is _HOST:  # a GPU block is offered when it reaches host
+            remote.offer(meta)
         if meta.on_disk:
             c.write_throughs += 1
             self.mover.emit(_STORED, Tier.DISK, meta)

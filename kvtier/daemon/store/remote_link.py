@@ -1,0 +1,473 @@
+"""The store's side of the remote tier (issue 23): lookups and fetches below the disk tier, uploads.
+
+::
+
+    lookup:   index (gpu/host/disk) ─► n hits ─► remote.exists(keys[n:], budget) ─► + the run of "remote"
+    acquire:  fetch(keys[n:]) outside the mutex (one GET per key however many acquires want it)
+              ─► verify_record ─► under the mutex: host slot, copy, commit ─► served as a host hit
+              a bad value: counted by reason, deleted remotely, a miss
+    through:  commit ─► offer(meta) pins the host copy ─► uploader task: record = header + payload
+              (checksum verified) ─► remote.put ─► STORED REMOTE event, unpin
+    back:     host eviction ─► offer_copies(victims): records copied before the slots are freed
+    queue:    bounded in payload bytes; an upload beyond it is dropped and counted
+
+The remote engine is a :class:`~kvtier.daemon.remote.backend.RemoteBlocks` (never raises for a
+fault: a miss, ``False``); with :class:`~kvtier.daemon.remote.backend.NoRemoteBlocks` every method
+here returns at once. Everything runs on the store's event loop; record building and verification
+run on the store's I/O pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+from kvtier_protocol.header import BlockHeader, payload_checksum
+from kvtier_protocol.namespace import Namespace
+
+from kvtier.daemon.remote.backend import NoRemoteBlocks, RemoteBlocks, RemoteKey
+from kvtier.daemon.remote.verify import MissReason, verify_namespace, verify_record
+from kvtier.daemon.store.host import HostTier
+from kvtier.daemon.store.index import BlockIndex, BlockMeta
+from kvtier.daemon.store.stats import EventKind
+from kvtier.daemon.store.types import NS_ID_LEN, BlockKey, Tier
+
+R = TypeVar("R")
+
+
+class Mover(Protocol):
+    """What the link uses of :class:`kvtier.daemon.store.moves.Mover` (which holds the link:
+    named here, not imported, so the two modules do not import each other)."""
+
+    index: BlockIndex
+    host: HostTier
+    remote: RemoteLink | None
+
+    async def run(self, fn: Any, *args: Any) -> Any: ...
+    def unlease(self, meta: BlockMeta) -> None: ...
+    def emit(self, kind: EventKind, tier: Tier, meta: BlockMeta) -> None: ...
+
+log = logging.getLogger(__name__)
+
+WRITE_MODES = ("through", "back", "read-only")
+UPLOAD_BATCH_BYTES = 32 << 20
+"""Payload bytes of one upload call at most (records are built for one batch at a time)."""
+UPLOAD_BATCH_BLOCKS = 32
+PINNED_SHARE = 4
+"""Write-through pins queued blocks in host memory: at most 1/PINNED_SHARE of the host tier."""
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteOptions:
+    """How a store uses its remote tier.
+
+    Attributes:
+        tenant: the tenant part of its keys (``[a-z0-9_-]{1,32}``; ``default`` for the default store).
+        write_mode: ``through``, ``back`` or ``read-only`` (see the module docstring).
+        upload_queue_bytes: payload bytes queued for upload at most (0: nothing is uploaded).
+        lookup_budget_s: what a lookup may wait for the cluster.
+        timeout_s: deadline of one fetch or upload call (None: the backend's own).
+    """
+
+    tenant: str = "default"
+    write_mode: str = "through"
+    upload_queue_bytes: int = 256 << 20
+    lookup_budget_s: float = 0.010
+    timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        RemoteKey.of(self.tenant, bytes(NS_ID_LEN + 8))  # raises ValueError for a bad tenant name
+        if self.write_mode not in WRITE_MODES:
+            raise ValueError(f"write_mode must be one of {WRITE_MODES}, got {self.write_mode!r}")
+        if self.upload_queue_bytes < 0 or not self.lookup_budget_s > 0:
+            raise ValueError("upload_queue_bytes must be >= 0 and lookup_budget_s > 0")
+
+
+@dataclass(slots=True)
+class LinkCounters:
+    """What the store did with its remote tier (the engine's own counters are the backend's
+    :class:`~kvtier.daemon.remote.backend.RemoteCounters`).
+
+    Attributes:
+        lookup_keys / lookup_hits: keys asked of the cluster by lookups, and found (consecutive).
+        fetched_blocks / fetched_bytes: remote blocks verified and placed into host memory.
+        bad_values: values read back that were not the block asked for, by
+            :class:`~kvtier.daemon.remote.verify.MissReason` value (each deleted remotely).
+        uploads_queued: blocks queued for upload; upload_drops / upload_drop_bytes: offered
+            uploads dropped because the queue was full; upload_failures: uploads the cluster did
+            not acknowledge (or whose host copy failed its checksum).
+        uploaded: blocks the cluster acknowledged.
+        queue_bytes / queue_blocks: what waits for upload now (gauges).
+        namespaces_fetched / namespaces_uploaded: namespaces learnt from / stored in the cluster.
+    """
+
+    lookup_keys: int = 0
+    lookup_hits: int = 0
+    fetched_blocks: int = 0
+    fetched_bytes: int = 0
+    bad_values: dict[str, int] = field(default_factory=dict)
+    uploads_queued: int = 0
+    upload_drops: int = 0
+    upload_drop_bytes: int = 0
+    upload_failures: int = 0
+    uploaded: int = 0
+    queue_bytes: int = 0
+    queue_blocks: int = 0
+    namespaces_fetched: int = 0
+    namespaces_uploaded: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Fetched:
+    """A remote record that verified as the block asked for: its header bytes and payload."""
+
+    key: BlockKey
+    header: bytes
+    parsed: BlockHeader
+    payload: memoryview
+
+
+@dataclass(slots=True)
+class _Upload:
+    """One queued upload: a pinned block (write-through) or a record copied already (write-back)."""
+
+    key: RemoteKey
+    size: int
+    meta: BlockMeta | None = None  # leased until its record is built
+    record: bytes | None = None
+
+
+class RemoteLink:
+    """One store's remote tier. :meth:`attach` it to the store's mover before use; :meth:`close`
+    uploads what is queued (bounded by the call timeout) and closes the backend.
+
+    Args:
+        blocks: the engine (:class:`NoRemoteBlocks`: no remote tier).
+        options: tenant, write mode, queue bound, lookup budget.
+    """
+
+    def __init__(self, blocks: RemoteBlocks | None = None, options: RemoteOptions | None = None) -> None:
+        self.blocks: RemoteBlocks = blocks if blocks is not None else NoRemoteBlocks()
+        self.options = options if options is not None else RemoteOptions()
+        self.enabled = not isinstance(self.blocks, NoRemoteBlocks)
+        self.counters = LinkCounters()
+        self._mover: Mover | None = None
+        self._queue: collections.deque[_Upload] = collections.deque()
+        self._namespaces: collections.deque[Namespace] = collections.deque()
+        self._wake = asyncio.Event()
+        self._uploader: asyncio.Task[None] | None = None
+        self._inflight: dict[BlockKey, asyncio.Future[bytes | None]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()  # remote deletes of bad values
+        self._limit = self.options.upload_queue_bytes
+        self._idle = asyncio.Event()  # set while nothing waits for upload
+        self._idle.set()
+        self._closing = False
+
+    @property
+    def uploads(self) -> bool:
+        """Whether this store uploads at all (write mode, queue size)."""
+        return self.enabled and self.options.write_mode != "read-only" and self._limit > 0
+
+    @property
+    def write_through(self) -> bool:
+        return self.uploads and self.options.write_mode == "through"
+
+    @property
+    def write_back(self) -> bool:
+        return self.uploads and self.options.write_mode == "back"
+
+    def key(self, key: BlockKey) -> RemoteKey:
+        """The remote key of a store key."""
+        return RemoteKey.of(self.options.tenant, key)
+
+    # --- lifecycle -----------------------------------------------------------------------------
+
+    def attach(self, mover: Mover) -> None:
+        """Bind to the store's open parts and start the uploader (on the running loop)."""
+        self._mover = mover
+        if self.enabled:  # else the mover's hot paths see None and skip the link
+            mover.remote = self
+        if self.write_through:  # pinned blocks must leave most of the host tier to the clients
+            self._limit = min(self._limit, max(1, mover.index.capacity[Tier.HOST] // PINNED_SHARE))
+        if self.uploads:
+            self._uploader = asyncio.create_task(self._upload_loop(), name="kvtier-remote-uploader")
+
+    async def close(self) -> None:
+        """Upload what is queued (each call bounded by the timeout; a dead cluster is skipped by
+        the breaker), unpin what is left, close the engine. Idempotent."""
+        self._closing = True
+        self._wake.set()
+        uploader, self._uploader = self._uploader, None
+        if uploader is not None:
+            try:
+                await uploader
+            except Exception:  # the loop catches its own faults; this is a bug, but close must finish
+                log.exception("kvtier remote uploader failed")
+        self._drop_queue()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        for fut in self._inflight.values():
+            if not fut.done():
+                fut.set_result(None)
+        await self.blocks.close()
+
+    # --- lookup and fetch ----------------------------------------------------------------------
+
+    async def lookup(self, keys: Sequence[BlockKey]) -> int:
+        """How many of ``keys``, from the first, the cluster holds (within the lookup budget)."""
+        if not self.enabled or not keys:
+            return 0
+        found = await self.blocks.exists([self.key(k) for k in keys], timeout_s=self.options.lookup_budget_s)
+        n = 0
+        while n < len(found) and found[n]:
+            n += 1
+        self.counters.lookup_keys += len(keys)
+        self.counters.lookup_hits += n
+        return n
+
+    async def fetch(self, ns_id: bytes, keys: Sequence[BlockKey],
+                    namespace: Namespace | None) -> tuple[list[Fetched], Namespace | None]:
+        """The verified records of the run of ``keys`` the cluster holds, from the first; and, when
+        ``namespace`` (of ``ns_id``) is None, the namespace learnt from the cluster (verified)
+        with the same wait, or None.
+
+        A key another caller is fetching already is not asked again: both wait for the one GET.
+        A value that is not the block asked for ends the run: it is counted and deleted remotely.
+        """
+        if not self.enabled or not keys:
+            return [], None
+        learn = self.namespace(ns_id) if namespace is None else None
+        mine: list[BlockKey] = []
+        futures: list[asyncio.Future[bytes | None]] = []
+        loop = asyncio.get_running_loop()
+        for key in keys:
+            fut = self._inflight.get(key)
+            if fut is None:
+                fut = self._inflight[key] = loop.create_future()
+                mine.append(key)
+            futures.append(fut)
+        try:
+            if mine:
+                get = self.blocks.get([self.key(k) for k in mine], timeout_s=self.options.timeout_s)
+                if learn is not None:
+                    values, namespace = await asyncio.gather(get, learn)
+                else:
+                    values = await get
+                for key, value in zip(mine, values):
+                    fut = self._inflight.pop(key)
+                    if not fut.done():
+                        fut.set_result(value)
+            elif learn is not None:
+                namespace = await learn
+        except BaseException:
+            for key in mine:
+                fut = self._inflight.pop(key, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(None)
+            raise
+        learnt = namespace if learn is not None else None
+        run: list[tuple[BlockKey, bytes]] = []
+        for key, fut in zip(keys, futures):
+            value = await fut
+            if value is None:
+                break
+            run.append((key, value))
+        if not run:
+            return [], learnt
+        assert self._mover is not None, "attach() before fetch()"
+        verdicts = await self._mover.run(_verify_all, [self.key(k) for k, _ in run], [v for _, v in run], namespace)
+        out: list[Fetched] = []
+        for (key, _), verdict in zip(run, verdicts):
+            if isinstance(verdict, MissReason):
+                self._bad(key, verdict)
+                break
+            out.append(verdict)
+        return out, learnt
+
+    async def namespace(self, ns_id: bytes) -> Namespace | None:
+        """A namespace this store never saw, from the cluster (verified), or None."""
+        if not self.enabled:
+            return None
+        raw = await self.blocks.get_namespace(self.options.tenant, ns_id, timeout_s=self.options.timeout_s)
+        ns = verify_namespace(ns_id, raw) if raw is not None else None
+        if ns is not None:
+            self.counters.namespaces_fetched += 1
+        return ns
+
+    def _bad(self, key: BlockKey, reason: MissReason) -> None:
+        c = self.counters.bad_values
+        c[reason.value] = c.get(reason.value, 0) + 1
+        log.warning("remote tier: the value under block %s is not that block (%s): a miss; deleted",
+                    key[NS_ID_LEN:].hex()[:16], reason.value)
+        task = asyncio.ensure_future(self.blocks.delete([self.key(key)], timeout_s=self.options.timeout_s))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # --- uploads -------------------------------------------------------------------------------
+
+    def offer(self, meta: BlockMeta) -> None:
+        """Write-through: queue a committed block with a host copy for upload, pinning the copy
+        until its record is built; dropped (counted) when the queue is full."""
+        if not self.write_through or meta.remote or meta.host_slot is None or self._closing:
+            return
+        if not self._admit(meta.size):
+            return
+        assert self._mover is not None, "attach() before offer()"
+        self._mover.index.lease(meta)
+        self._push(_Upload(self.key(meta.key), meta.size, meta=meta))
+
+    async def offer_copies(self, metas: Sequence[BlockMeta]) -> None:
+        """Write-back: copy the records of host victims about to be freed and queue them
+        (verified against their checksums; dropped, counted, when the queue is full)."""
+        if not self.write_back or self._closing:
+            return
+        todo = [m for m in metas if m.committed and not m.remote and m.host_slot is not None]
+        todo = [m for m in todo if self._admit(m.size)]
+        if not todo:
+            return
+        mover = self._mover
+        assert mover is not None, "attach() before offer_copies()"
+        records = await mover.run(_records, [m.header for m in todo], [mover.host.view(m.host_slot) for m in todo],
+                                  [m.checksum for m in todo])
+        for meta, record in zip(todo, records):
+            if record is None:
+                self.counters.upload_failures += 1
+                self.counters.queue_bytes -= meta.size
+                continue
+            self._push(_Upload(self.key(meta.key), meta.size, record=record))
+
+    def offer_namespace(self, ns: Namespace) -> None:
+        """Queue a namespace's canonical bytes for upload (so daemons that never saw it serve it)."""
+        if self.uploads and not self._closing:
+            self._namespaces.append(ns)
+            self._wake.set()
+
+    def _admit(self, size: int) -> bool:
+        c = self.counters
+        if c.queue_bytes + size > self._limit:
+            c.upload_drops += 1
+            c.upload_drop_bytes += size
+            return False
+        c.queue_bytes += size  # reserved now: offer_copies awaits before pushing
+        return True
+
+    def _push(self, item: _Upload) -> None:
+        self._queue.append(item)
+        self.counters.uploads_queued += 1
+        self.counters.queue_blocks += 1
+        self._idle.clear()
+        self._wake.set()
+
+    async def _upload_loop(self) -> None:
+        while True:
+            if not self._queue and not self._namespaces:
+                if self._closing:
+                    return
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                await self._upload_namespaces()
+                await self._upload_batch()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # never let one bad batch stop uploads for the daemon's life
+                log.exception("kvtier remote upload batch failed")
+
+    async def _upload_namespaces(self) -> None:
+        while self._namespaces:
+            ns = self._namespaces.popleft()
+            if await self.blocks.put_namespace(self.options.tenant, ns.ns_id, ns.canonical_bytes(),
+                                               timeout_s=self.options.timeout_s):
+                self.counters.namespaces_uploaded += 1
+
+    async def _upload_batch(self) -> None:
+        batch: list[_Upload] = []
+        nbytes = 0
+        while self._queue and len(batch) < UPLOAD_BATCH_BLOCKS and (not batch or nbytes < UPLOAD_BATCH_BYTES):
+            item = self._queue.popleft()
+            batch.append(item)
+            nbytes += item.size
+        if not batch:
+            return
+        mover = self._mover
+        assert mover is not None
+        c = self.counters
+        try:
+            pinned = [u for u in batch if u.meta is not None]
+            if pinned:
+                # Built on the pool from the pinned host copies, then unpinned at once: the
+                # network wait below holds no host memory but these records.
+                live = [u for u in pinned if u.meta is not None and u.meta.linked and u.meta.host_slot is not None]
+                records = await mover.run(_records, [u.meta.header for u in live],  # type: ignore[union-attr]
+                                          [mover.host.view(u.meta.host_slot) for u in live],  # type: ignore[union-attr,arg-type]
+                                          [u.meta.checksum for u in live])  # type: ignore[union-attr]
+                for u, record in zip(live, records):
+                    u.record = record
+        finally:
+            for u in batch:
+                if u.meta is not None:
+                    mover.unlease(u.meta)
+        ready = [u for u in batch if u.record is not None]
+        c.upload_failures += len(batch) - len(ready)
+        if ready:
+            ok = await self.blocks.put([(u.key, u.record) for u in ready],  # type: ignore[misc]
+                                       timeout_s=self.options.timeout_s)
+            for u, good in zip(ready, ok):
+                if not good:
+                    c.upload_failures += 1
+                    continue
+                c.uploaded += 1
+                meta = u.meta
+                if meta is not None and meta.linked:
+                    meta.remote = True
+                    mover.emit(EventKind.STORED, Tier.REMOTE, meta)
+        c.queue_bytes -= nbytes
+        c.queue_blocks -= len(batch)
+        if not self._queue:
+            self._idle.set()
+
+    def _drop_queue(self) -> None:
+        """Unpin and forget what was not uploaded (at close)."""
+        mover = self._mover
+        while self._queue:
+            item = self._queue.popleft()
+            if item.meta is not None and mover is not None:
+                mover.unlease(item.meta)
+            self.counters.queue_bytes -= item.size
+            self.counters.queue_blocks -= 1
+        self._namespaces.clear()
+        self._idle.set()
+
+    async def drain(self) -> None:
+        """Wait until nothing waits for upload (tests, benchmarks)."""
+        await self._idle.wait()
+
+
+def _records(headers: Sequence[bytes], payloads: Sequence[memoryview], checksums: Sequence[int]) -> list[bytes | None]:
+    """Each block's whole record (header + payload), or None where the payload fails its checksum
+    (a bad host copy is never uploaded). Runs on the I/O pool."""
+    out: list[bytes | None] = []
+    for header, payload, checksum in zip(headers, payloads, checksums):
+        out.append(b"".join((header, payload)) if payload_checksum(payload) == checksum else None)
+    return out
+
+
+def _verify_all(keys: Sequence[RemoteKey], values: Sequence[bytes], namespace: Namespace | None) -> list[Fetched | MissReason]:
+    """Judge fetched values (on the I/O pool), stopping at the first bad one."""
+    out: list[Fetched | MissReason] = []
+    for key, value in zip(keys, values):
+        verdict = verify_record(key, value, namespace=namespace)
+        if not verdict.ok:
+            assert verdict.reason is not None
+            out.append(verdict.reason)
+            break
+        assert verdict.header is not None and verdict.payload is not None
+        header_len = len(value) - verdict.header.payload_len
+        out.append(Fetched(BlockKey(key.ns_id + key.chain_hash), bytes(value[:header_len]), verdict.header,
+                           verdict.payload))
+    return out

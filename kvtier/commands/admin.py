@@ -105,9 +105,11 @@ def _status(rest: RestClient, args: argparse.Namespace) -> int:
     c, g = stats["counters"], stats["gauges"]
     print(f"kvtier {health['version']} at {rest.base}: {'ready' if ready else 'NOT READY'}, "
           f"up {_duration(health['uptime_s'])}")
-    rows = [[t["tier"], "on" if t["enabled"] else "off", _size(t["used_bytes"]), _size(t["capacity_bytes"]),
+    # The remote tier's size and contents are the cluster's own: None there, shown as "-".
+    rows = [[t["tier"], "on" if t["enabled"] else "off", _size_or_dash(t["used_bytes"]),
+             _size_or_dash(t["capacity_bytes"]),
              f"{100 * t['used_bytes'] / t['capacity_bytes']:.0f}%" if t["capacity_bytes"] else "-",
-             t["blocks"], t["hits"], t["evictions"], t["demotions"]] for t in tiers]
+             "-" if t["blocks"] is None else t["blocks"], t["hits"], t["evictions"], t["demotions"]] for t in tiers]
     print(_table(["TIER", "STATE", "USED", "CAPACITY", "USE", "BLOCKS", "HITS", "EVICTIONS", "DEMOTIONS"], rows))
     print(f"blocks {g['blocks']} (pending {g['pending']}), leases {g['leases']}, "
           f"host fragmentation {100 * g['fragmentation']:.1f}%")
@@ -115,6 +117,14 @@ def _status(rest: RestClient, args: argparse.Namespace) -> int:
           f"promotions {c['promotions']}, demotions {c['demotions']}, deletes {c['deletes']}; "
           f"checksum failures {c['checksum_failures']}, storage errors {c['storage_errors']}, "
           f"lease expiries {c['lease_expiries']}")
+    remote = stats.get("remote")
+    if remote:
+        print(f"remote {remote['address']} (keys of tenant {remote['tenant']}, write {remote['write_mode']}): "
+              f"breaker {remote['breaker_state']}; up {remote['blocks_up']} blocks / {_size(remote['bytes_up'])}, "
+              f"down {remote['blocks_down']} blocks / {_size(remote['bytes_down'])}; "
+              f"queue {remote['queue_blocks']} blocks / {_size(remote['queue_bytes'])}, drops {remote['upload_drops']}; "
+              f"bad values {sum(remote['bad_values'].values())}; "
+              f"errors {', '.join(f'{k} {v}' for k, v in sorted(remote['errors'].items())) or 'none'}")
     return 0
 
 
@@ -304,6 +314,10 @@ def _text(value: Any) -> str:
 
         return json.dumps(value)
     return str(value)
+
+
+def _size_or_dash(n: int | None) -> str:
+    return "-" if n is None else _size(n)
 
 
 def _size(n: int) -> str:

@@ -17,6 +17,8 @@ from __future__ import annotations
 SUITES: dict[str, tuple[str, str]] = {
     # name: (module, one-line help shown by `kvtier bench --help`)
     "codecs": ("kvtier.bench.codecs", "codec size ratio, error and encode/decode GB/s vs memcpy"),
+    "precision": ("kvtier.bench.precision",
+                  "top-1 agreement, KL and max logit error of lossy KV codecs on the reference engine"),
     "store": ("kvtier.bench.store.suite", "host-tier put/get vs torch copy_; disk write/read vs dd O_DIRECT"),
     "dataplane": ("kvtier.bench.dataplane",
                   "daemon data plane: put/get over shared memory and TCP vs memcpy; lookup p50/p99 vs ping"),

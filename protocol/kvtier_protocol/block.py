@@ -111,7 +111,7 @@ def encode_block(tensor: torch.Tensor, *, ns_id: bytes, chain_hash: bytes, paren
     if compression is not None:
         if compression not in ALGORITHMS:
             raise CodecError(f"unknown compression {compression!r}; expected one of {ALGORITHMS}")
-        stored, comp = compress_sections(stored, [_stride(name, dtype, used_quant) for name, _ in parts])
+        stored, comp = compress_sections(stored, [section_stride(name, dtype, used_quant) for name, _ in parts])
     sections, offset, digest = [], 0, xxhash.xxh3_64()
     for (name, _), data in zip(parts, stored):
         n = memoryview(data).nbytes
@@ -125,7 +125,7 @@ def encode_block(tensor: torch.Tensor, *, ns_id: bytes, chain_hash: bytes, paren
     return b"".join([encode_header(header), *stored])
 
 
-def _stride(section: str, dtype: str, quant: QuantParams | None) -> int:
+def section_stride(section: str, dtype: str, quant: QuantParams | None) -> int:
     """The shuffle stride of a section: the size of its elements (SPEC.md §4.8)."""
     if section in ("scales", "mins"):
         assert quant is not None, "only quantized records have scales"

@@ -26,6 +26,7 @@ from tests.manyhosts import Host
 
 ROOT = Path(__file__).resolve().parents[4]
 READY = re.compile(r"kvtierd ready in [0-9.]+ s")
+REST = re.compile(r"kvtierd rest (http://\S+)")
 
 
 class HostDaemon:
@@ -33,10 +34,12 @@ class HostDaemon:
 
     Args:
         env: extra ``KVTIER_*`` settings (a lookup budget, a user, a write mode, ...).
+        rest: ``--rest``: "off", or an address of the host's own (its loopback: the daemon binds
+            it inside its namespace); :attr:`rest_url` is where it listens once started.
     """
 
     def __init__(self, host: Host, workdir: Path, url: str, *, env: dict[str, str] | None = None,
-                 host_bytes: str = "64MiB") -> None:
+                 host_bytes: str = "64MiB", rest: str = "off") -> None:
         self.host = host
         self._sock_dir = Path(tempfile.mkdtemp(prefix="kvr-", dir="/tmp"))
         self.socket = self._sock_dir / "kvtier.sock"
@@ -44,9 +47,10 @@ class HostDaemon:
         self.log_path = workdir / f"kvtierd-{host.name}-{secrets.token_hex(3)}.log"
         self.data_dir = workdir / f"data-{host.name}-{secrets.token_hex(3)}"
         self.process: subprocess.Popen[bytes] | None = None
+        self.rest_url: str | None = None
         self.prefix = f"kvtr{secrets.token_hex(4)}"
         self._args = [sys.executable, "-m", "kvtier", "serve", "--remote", url, "--socket", str(self.socket),
-                      "--rest", "off", "--data-dir", str(self.data_dir), "--host-bytes", host_bytes,
+                      "--rest", rest, "--data-dir", str(self.data_dir), "--host-bytes", host_bytes,
                       "--disk-bytes", "0", "--log-level", "info"]
         base = {k: v for k, v in os.environ.items() if not k.startswith(("KVTIER_", "NOTIFY_SOCKET"))}
         self.env = {**base, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "protocol"),
@@ -68,7 +72,10 @@ class HostDaemon:
                                             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if READY.search(self.log_path.read_text(errors="replace")[offset:]):
+            text = self.log_path.read_text(errors="replace")[offset:]
+            if READY.search(text):
+                found = REST.search(text)
+                self.rest_url = found.group(1) if found else None
                 return self
             if self.process.poll() is not None:
                 rc, self.process = self.process.returncode, None

@@ -11,9 +11,11 @@ their daemon through its unix socket (a file: no network). One cluster for the m
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -325,3 +327,122 @@ async def _scan(world: ManyHosts) -> list[bytes]:
         return [k async for k in client.scan_iter(match="kvtier:*", count=1000)]
     finally:
         await client.aclose()
+
+
+def test_status_tiers_metrics_and_events_show_the_remote_tier(world: ManyHosts, model_dir: Path,
+                                                              daemons: dict[str, HostDaemon], tmp_path: Path) -> None:
+    # A daemon with REST on its own host's loopback; the test reads it from inside that host.
+    c = HostDaemon(world.client, tmp_path, world.cluster.url, rest="127.0.0.1:0")
+    try:
+        c.start()
+        assert c.rest_url is not None
+        token = (c.data_dir / "token").read_text().strip()
+        subscribed = threading.Event()
+        remote_event = asyncio.run_coroutine_threadsafe(_first_event(c.rest_url, token, '"REMOTE"', subscribed),
+                                                        world.loop.loop)
+        assert subscribed.wait(60), "the event stream did not open"
+        prefill_on(model_dir, c, prompt(8))
+        event = json.loads(remote_event.result(timeout=60))
+        assert event["type"] == "BlockStored" and event["medium"] == "REMOTE" and event["tier"] == "remote"
+        tiers, metrics = world.loop.run(_read_rest(c.rest_url, token))
+        [row] = [t for t in tiers if t["tier"] == "remote"]
+        assert row["medium"] == "REMOTE" and row["enabled"] and row["capacity_bytes"] is None
+        assert row["remote"]["uploaded"] == FULL // 16 and row["remote"]["breaker_state"] == "closed"
+        assert row["bytes_in"] > 0 and row["remote"]["address"].startswith("redis+cluster://")
+        assert 'kvtier_remote_blocks_total{direction="up",tenant=""} 62.0' in metrics
+        assert 'kvtier_remote_breaker_state{state="closed",tenant=""} 1.0' in metrics
+        assert "kvtier_remote_fetch_seconds_bucket" in metrics and "kvtier_remote_upload_queue_bytes" in metrics
+        status = subprocess.run(world.client.argv(sys.executable, "-m", "kvtier", "status", "--rest", c.rest_url,
+                                                  "--token-file", str(c.data_dir / "token")),
+                                cwd=ROOT, env=c.env, capture_output=True, text=True, timeout=120, check=True).stdout
+        assert "remote" in status and "breaker closed" in status and "up 62 blocks" in status
+        blocks = world.loop.run(_get_json(c.rest_url + "/v1/blocks?limit=5", token))
+        assert all("remote" in b["tiers"] for b in blocks["blocks"])
+    finally:
+        c.close()
+
+
+async def _get_json(url: str, token: str):
+    import aiohttp
+
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"}) as s:
+        async with s.get(url) as r:
+            assert r.status == 200, await r.text()
+            return await r.json()
+
+
+async def _read_rest(base: str, token: str) -> tuple[list, str]:
+    import aiohttp
+
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"}) as s:
+        async with s.get(base + "/v1/tiers") as r:
+            tiers = (await r.json())["tiers"]
+        async with s.get(base + "/metrics") as r:
+            metrics = await r.text()
+    return tiers, metrics
+
+
+async def _first_event(base: str, token: str, needle: str, subscribed: threading.Event) -> str:
+    """The JSON of the first server-sent event that contains ``needle`` (``subscribed`` is set once
+    the stream is open, so nothing published after it is missed)."""
+    import aiohttp
+
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"}) as s:
+        async with s.get(base + "/v1/events") as r:
+            async for line in r.content:
+                text = line.decode().strip()
+                if text.startswith(": kvtier events"):
+                    subscribed.set()
+                elif text.startswith("data: ") and needle in text:
+                    return text.removeprefix("data: ")
+    raise AssertionError("the event stream ended")
+
+
+# --- write modes ----------------------------------------------------------------------------------
+
+BIG = namespace_for(1 << 20, model="write-modes")  # 1 MiB blocks
+
+
+def test_write_back_uploads_host_victims_and_read_only_never_uploads(world: ManyHosts, daemons: dict[str, HostDaemon],
+                                                                     tmp_path: Path) -> None:
+    b = daemons["b"]
+    back = HostDaemon(world.servers[1], tmp_path, world.cluster.url, host_bytes="8MiB",
+                      env={"KVTIER_REMOTE__WRITE_MODE": "back"})
+    ro = HostDaemon(world.servers[2], tmp_path, world.cluster.url, env={"KVTIER_REMOTE__WRITE_MODE": "read-only"})
+    try:
+        back.start()
+        ro.start()
+        blocks = make_blocks(BIG, 16, tag=b"write-back")
+        hashes = [k.chain_hash for k, _ in blocks]
+        with back.client() as c:
+            for key, record in blocks:  # one at a time: the 8 MiB host tier evicts the oldest
+                assert c.save(BIG.ns_id, [(key.chain_hash, record)]) == ["stored"]
+        r = back.remote()
+        assert r["uploads_queued"] >= 8 and r["upload_drops"] == 0  # evicted ones only, not at commit
+        wait_for_uploads(back, r["uploads_queued"])
+        with b.client() as c:  # the evicted first half is on the cluster: a hit on another host
+            got = c.load(BIG.ns_id, hashes[:8])
+        assert got == [v for _, v in blocks[:8]]
+        more = make_blocks(BIG, 4, tag=b"read-only")
+        with ro.client() as c:
+            assert c.save(BIG.ns_id, [(k.chain_hash, v) for k, v in more]) == ["stored"] * 4
+            assert c.load(BIG.ns_id, hashes[:2]) == [v for _, v in blocks[:2]]  # fetches all the same
+        r = ro.remote()
+        assert r["uploads_queued"] == 0 and r["blocks_up"] == 0 and r["fetched_blocks"] == 2
+    finally:
+        back.close()
+        ro.close()
+
+
+def test_a_full_upload_queue_drops_and_counts_never_waits(world: ManyHosts, tmp_path: Path) -> None:
+    small = HostDaemon(world.servers[1], tmp_path, world.cluster.url, env={"KVTIER_REMOTE__UPLOAD_QUEUE_BYTES": "2MiB"})
+    try:
+        small.start()
+        blocks = make_blocks(BIG, 8, tag=b"queue")
+        with small.client() as c:  # one commit of 8 MiB: 2 MiB fit the queue, the rest is dropped
+            assert c.save(BIG.ns_id, [(k.chain_hash, v) for k, v in blocks]) == ["stored"] * 8
+        r = small.remote()
+        assert r["uploads_queued"] == 2 and r["upload_drops"] == 6 and r["upload_drop_bytes"] == 6 << 20
+        wait_for_uploads(small, 2)
+    finally:
+        small.close()

@@ -16,7 +16,7 @@ _NUM = {"type": "number", "minimum": 0}
 _STR = {"type": "string"}
 _HEX = {"type": "string", "pattern": "^([0-9a-fA-F]{2})+$"}
 _NS_HEX = {"type": "string", "pattern": "^[0-9a-fA-F]{32}$", "description": "namespace id, 16 bytes as hex"}
-_TIER = {"type": "string", "enum": ["gpu", "host", "disk"]}
+_TIER = {"type": "string", "enum": ["gpu", "host", "disk", "remote"]}
 
 
 def _ref(name: str) -> dict[str, str]:
@@ -61,11 +61,31 @@ SCHEMAS: dict[str, Any] = {
     "Stats": _obj({"version": _STR, "uptime_s": _NUM, "ready": {"type": "boolean"},
                    "tenant": {**_nullable(_STR), "description": "the tenant whose store this is; null: default"},
                    "counters": {"type": "object", "description": "store counters (StoreCounters), per tier too"},
-                   "gauges": {"type": "object", "description": "store gauges (StoreGauges), per tier too"}}),
-    "Tier": _obj({"tier": _TIER, "medium": _STR, "enabled": {"type": "boolean"}, "capacity_bytes": _INT,
-                  "used_bytes": _INT, "free_bytes": _INT, "blocks": _INT, "fragmentation": _nullable(_NUM),
-                  "hits": _INT, "misses": _INT, "bytes_in": _INT, "bytes_out": _INT, "evictions": _INT,
-                  "demotions": _INT}),
+                   "gauges": {"type": "object", "description": "store gauges (StoreGauges), per tier too"},
+                   "remote": _ref("Remote")},
+                  ("version", "uptime_s", "ready", "tenant", "counters", "gauges")),
+    "Tier": _obj({"tier": _TIER, "medium": _STR, "enabled": {"type": "boolean"},
+                  "capacity_bytes": {**_nullable(_INT), "description": "null for the remote tier (the cluster's own)"},
+                  "used_bytes": _nullable(_INT), "free_bytes": _nullable(_INT), "blocks": _nullable(_INT),
+                  "fragmentation": _nullable(_NUM), "hits": _INT, "misses": _INT, "bytes_in": _INT, "bytes_out": _INT,
+                  "evictions": _INT, "demotions": _INT, "remote": _ref("Remote")},
+                 ("tier", "medium", "enabled", "capacity_bytes", "used_bytes", "free_bytes", "blocks", "fragmentation",
+                  "hits", "misses", "bytes_in", "bytes_out", "evictions", "demotions")),
+    "Remote": _obj({
+        "enabled": {"type": "boolean"}, "address": {**_STR, "description": "the cluster's seed nodes (no secret)"},
+        "tenant": {**_STR, "description": "the tenant part of this store's keys"},
+        "write_mode": {"enum": ["through", "back", "read-only"]},
+        "breaker_state": {"enum": ["closed", "open", "half_open"]}, "breaker_opens": _INT,
+        "bytes_up": _INT, "blocks_up": _INT, "bytes_down": _INT, "blocks_down": _INT, "misses": _INT,
+        "put_failures": _INT, "deleted": _INT, "skipped": _INT,
+        "errors": _counts(("timeout", "connection", "cluster_down", "auth", "oom", "response", "other")),
+        "fetch_latency": _obj({"count": _INT, "sum_s": _NUM}),
+        "lookup_keys": _INT, "lookup_hits": _INT, "fetched_blocks": _INT, "fetched_bytes": _INT,
+        "bad_values": _counts(("truncated", "bad_header", "too_large", "bad_checksum", "wrong_block",
+                               "wrong_geometry")),
+        "uploads_queued": _INT, "uploaded": _INT, "upload_drops": _INT, "upload_drop_bytes": _INT,
+        "upload_failures": _INT, "queue_bytes": _INT, "queue_blocks": _INT, "namespaces_fetched": _INT,
+        "namespaces_uploaded": _INT}, description="the remote tier of this store (issue 23), when one is configured"),
     "NamespaceFields": {"type": "object", "required": ["model", "revision", "attention", "salted"],
                         "description": "the namespace map (SPEC.md §2) without tenant_salt",
                         "properties": {"model": _STR, "revision": _STR, "attention": {"enum": ["mha", "mla"]},

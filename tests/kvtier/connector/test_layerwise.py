@@ -244,3 +244,55 @@ def test_staging_is_reused_only_after_its_last_copy() -> None:
     staging.give_back(again, DONE)
     bigger = staging.take(1000)
     assert bigger.numel() >= 1000 and staging.allocated_bytes == 1100
+
+
+# --- CUDA: dedicated copy streams, pinned staging, events (skipped without a GPU) -----------------
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(("attention", "layout"), [("mha", "vllm-flash"), ("mha", "vllm-nhc"), ("mla", "mla-latent")])
+def test_cuda_layerwise_load_and_save_equal_the_whole_block_path(kvtier_daemon_module: KvtierDaemon, cores: list,
+                                                                 attention: str, layout: str) -> None:
+    ns = make_ns(attention, kv_dtype="bfloat16", block_tokens=16, layers=4)
+    writer = connect(cores, kvtier_daemon_module, ns, layout, caches=make_caches(ns, layout, seed=14, device="cuda"))
+    whole = connect(cores, kvtier_daemon_module, ns, layout, caches=make_caches(ns, layout, seed=None, device="cuda"))
+    layered = connect(cores, kvtier_daemon_module, ns, layout,
+                      caches=make_caches(ns, layout, seed=None, device="cuda"))
+    assert layered.streams.on_cuda and layered._staging.pinned
+    hashes = writer.block_hashes(tokens(3 * ns.block_tokens, seed=12))
+    assert save_all_layers(writer, hashes, [0, 2, 4]) == 3
+    assert whole.load(hashes, [5, 3, 1]) == 3 and load_all_layers(layered, hashes, [5, 3, 1]) == 3
+    torch.cuda.synchronize()
+    want = bits(writer, [0, 2, 4])
+    assert all(torch.equal(a, b) for a, b in zip(want, bits(whole, [5, 3, 1])))
+    assert all(torch.equal(a, b) for a, b in zip(want, bits(layered, [5, 3, 1])))
+    staged = layered._staging.allocated_bytes
+    assert load_all_layers(layered, hashes, [5, 3, 1]) == 3 and layered._staging.allocated_bytes == staged, \
+        "pinned staging is allocated once and reused"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_a_save_reads_pages_after_the_compute_that_writes_them(kvtier_daemon_module: KvtierDaemon,
+                                                                   cores: list) -> None:
+    ns = make_ns("mha", kv_dtype="bfloat16", block_tokens=16, layers=2)
+    core = connect(cores, kvtier_daemon_module, ns, caches=make_caches(ns, "vllm-flash", seed=None, device="cuda"))
+    final = make_caches(ns, "vllm-flash", seed=21, device="cuda")
+    hashes = core.block_hashes(tokens(2 * ns.block_tokens, seed=21))
+    index = torch.tensor([1, 6], device="cuda")
+    assert core._caches is not None
+    save = core.start_save(hashes, [1, 6])
+    for i, (cache, src) in enumerate(zip(core._caches, final)):
+        torch.cuda._sleep(50_000_000)  # the compute stream is busy a while before it writes layer i
+        cache.index_copy_(1, index, src.index_select(1, index))
+        job = save.layer_done(i)
+    core.release_pages()
+    for cache in core._caches:  # the next step reuses the pages: after the save's reads
+        cache.zero_()
+    assert job is not None and core.wait(job, WAIT_S).num_blocks == 2
+    reader = connect(cores, kvtier_daemon_module, ns, caches=make_caches(ns, "vllm-flash", seed=None, device="cuda"))
+    assert reader.load(hashes, [1, 6]) == 2
+    torch.cuda.synchronize()
+    assert all(torch.equal(gather_block(final, p, core.page_layout), gather_block(reader._caches, p, core.page_layout))
+               for p in (1, 6))

@@ -130,3 +130,23 @@ def test_a_delayed_layer_holds_the_forward_at_exactly_that_layer(kvtier_daemon, 
             assert outs[0].loaded_tokens == 48 and torch.equal(outs[0].first_logits, ref.first_logits)
     finally:
         core.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_layerwise_partial_hit_equals_whole_block(kvtier_daemon, tmp_path: Path) -> None:
+    make_random_checkpoint(tmp_path / "model", MHA, seed=0)
+    kw = dict(device="cuda", num_pages=64, kvtier_address=kvtier_daemon.address, timeout_s=TIMEOUT_S)
+    prefix = prompt(48, 1)
+    with Engine(tmp_path / "model", **kw) as writer:
+        writer.generate([prefix], SamplingParams(max_tokens=1))
+        assert writer.stats.saved_blocks == 3
+    outs = []
+    for layerwise in (True, False):
+        with Engine(tmp_path / "model", layerwise=layerwise, **kw) as engine:
+            assert engine.connector is not None and engine.connector.streams.on_cuda
+            p = prefix + prompt(48, 9)
+            outs.append(engine.generate([p], GEN)[0])
+            engine.connector.client.delete(engine.connector.ns.ns_id, engine._block_hashes(p)[3:])
+    assert outs[0].loaded_tokens == outs[1].loaded_tokens == 48
+    assert torch.equal(outs[0].first_logits, outs[1].first_logits) and outs[0].token_ids == outs[1].token_ids

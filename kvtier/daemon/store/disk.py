@@ -81,6 +81,7 @@ from kvtier.daemon.store.types import make_key
 log = logging.getLogger(__name__)
 MIB = 1 << 20
 _COMMIT_BATCH = 1024  # meta entries per batch while rebuilding
+_NS_CANDIDATES = 4  # headers with ns_fields kept per unsaved namespace at open, should one be bad
 # RocksDB open failures that are not damage of the metadata: rebuilding would not help.
 _NOT_DAMAGE = ("While lock file", "Resource temporarily unavailable", "Permission denied", "No space left",
                "Read-only file system")
@@ -216,24 +217,32 @@ class DiskTier:
             self._meta.close()
             raise
 
-    def _load_namespaces(self) -> None:
-        """Read the saved namespaces (a damaged or foreign entry is dropped with a log line), then
-        recover those of stored blocks that ``meta`` lacks from headers carrying ``ns_fields``."""
-        self._namespaces: dict[bytes, Namespace] = {}
+    def _saved_namespaces(self) -> dict[bytes, Namespace]:
+        """The namespaces saved in ``meta`` (a damaged or foreign entry is dropped with a log line).
+
+        Raises:
+            StorageError: a damaged table.
+        """
+        out: dict[bytes, Namespace] = {}
         for ns_id, canonical in self._meta.namespaces().items():
             ns = _namespace_from(canonical)
             if ns is None or ns.ns_id != ns_id:
                 log.warning("kvtier disk tier %s: saved namespace %s is unreadable: dropped", self.path, ns_id.hex())
                 continue
-            self._namespaces[ns_id] = ns
+            out[ns_id] = ns
+        return out
+
+    def _load_namespaces(self) -> None:
+        """Recover the namespaces of stored blocks that ``meta`` lacks from the headers carrying
+        ``ns_fields`` that :meth:`_tally` set aside, and save them."""
         found: dict[bytes, Namespace] = {}
-        for key, loc in self._meta.entries():
-            ns_id = key[:NS_ID_LEN]
-            if ns_id in self._namespaces or ns_id in found or b"ns_fields" not in loc.header:
-                continue
-            ns = _header_namespace(loc.header)
-            if ns is not None and ns.ns_id == ns_id:  # else a bad one: another header may do
-                found[ns_id] = ns
+        for ns_id, headers in self._ns_candidates.items():
+            for header in headers:
+                ns = _header_namespace(header)
+                if ns is not None and ns.ns_id == ns_id:  # else a bad one: the next may do
+                    found[ns_id] = ns
+                    break
+        self._ns_candidates = {}
         if found:
             self._meta.put_namespaces([(ns_id, ns.canonical_bytes()) for ns_id, ns in found.items()])
             self._namespaces.update(found)
@@ -269,11 +278,20 @@ class DiskTier:
         """
         used = count = fbytes = 0
         live: set[int] = set()
-        for _, loc in self._meta.entries():
+        # In the same pass (a second one would double the start-up time of a large tier): a few
+        # headers carrying ns_fields of each namespace that meta has not saved (_load_namespaces).
+        self._namespaces = self._saved_namespaces()
+        self._ns_candidates: dict[bytes, list[bytes]] = {}
+        for key, loc in self._meta.entries():
             used += loc.length
             count += 1
             fbytes += loc.file_bytes
             live.add(loc.fid)
+            ns_id = key[:NS_ID_LEN]
+            if ns_id not in self._namespaces:
+                headers = self._ns_candidates.setdefault(ns_id, [])
+                if len(headers) < _NS_CANDIDATES and b"ns_fields" in loc.header:
+                    headers.append(loc.header)
         return used, count, fbytes, live
 
     def _count_check(self, tally: tuple[int, int, int, set[int]], free: set[int] | None) -> str | None:

@@ -39,13 +39,14 @@ async def test_round_trip_and_every_op(peer: Peer, path: str) -> None:
 async def test_many_requests_in_flight_answered_out_of_order(peer: Peer) -> None:
     blocks = make_blocks(4, 64 << 10)
     keys = [k for k, _ in blocks]
-    peer.delays["lookup"] = 0.5
     async with AsyncClient(peer.unix_path, timeout_s=60.0) as kv:
         await kv.save(NS_ID, blocks)
+        gate = peer.gates["lookup"] = threading.Event()  # the lookups are answered last
         lookups = [asyncio.ensure_future(kv.lookup(NS_ID, keys[:i % 4 + 1])) for i in range(20)]
         loaded = await asyncio.gather(*[kv.load(NS_ID, keys[i:]) for i in range(4)])
         assert not any(t.done() for t in lookups), "later requests were answered first"
         assert loaded == [[r for _, r in blocks[i:]] for i in range(4)]
+        gate.set()
         hits = await asyncio.gather(*lookups)
         assert [h.num_hits for h in hits] == [1, 2, 3, 4] * 5
     # Concurrency is shown by the peer, not by a stopwatch: it was answering all 20 lookups at once.

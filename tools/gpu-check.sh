@@ -3,8 +3,9 @@
 #
 #   tools/gpu-check.sh [--dry-run] [--no-venv] [RESULT.json]
 #
-# Steps, each under its own time limit, each recorded in one JSON document:
-#   venv     python3 -m venv .gpu-check-venv (skipped with --no-venv: the current venv is used)
+# Steps, each under its own time limit (30+200+90+60+90 s: 7.8 min at worst), each recorded in one JSON
+# document:
+#   venv     python3 -m venv $GPU_CHECK_VENV (default $TMPDIR/kvtier-gpu-check-venv; skipped with --no-venv)
 #   install  pip install -e '.[test]'  (pip takes the CUDA build of torch from PyPI)
 #   cuda     pytest -m cuda            (every CUDA test: pinned tier, GPU tier, connectors, engine)
 #   gpu      kvtier bench gpu --json   (connector and layer-wise H2D/D2H vs raw cudaMemcpyAsync)
@@ -67,9 +68,10 @@ run() {
 }
 
 if (( use_venv )); then
-    run venv 60 python3 -m venv .gpu-check-venv
-    py="$here/.gpu-check-venv/bin/python"
-    run install 240 "$py" -m pip install --quiet --disable-pip-version-check -e '.[test]'
+    venv="${GPU_CHECK_VENV:-${TMPDIR:-/tmp}/kvtier-gpu-check-venv}"
+    run venv 30 python3 -m venv "$venv"
+    py="$venv/bin/python"
+    run install 200 "$py" -m pip install --quiet --disable-pip-version-check -e '.[test]'
 else
     py="${PYTHON:-}"
     if [[ -z "$py" ]]; then
@@ -88,13 +90,15 @@ if (( dry_run )); then
     run ttft 120 "$py" -m kvtier bench ttft --device cpu --quick --engines engine --repetitions 1 \
         --lengths 64 --suffix 16 --json "$steps_file/ttft.json"
 else
-    run cuda 150 "$py" -m pytest -q -p no:cacheprovider -m cuda tests
-    run gpu 90 "$py" -m kvtier bench gpu --quick --repetitions 3 --work-dir "$work" --json "$steps_file/gpu.json"
-    run ttft 150 "$py" -m kvtier bench ttft --device cuda --engines engine --lengths 1024,2048 --suffix 256 \
+    run cuda 90 "$py" -m pytest -q -p no:cacheprovider -m cuda tests
+    run gpu 60 "$py" -m kvtier bench gpu --quick --repetitions 3 --work-dir "$work" --json "$steps_file/gpu.json"
+    run ttft 90 "$py" -m kvtier bench ttft --device cuda --engines engine --lengths 1024,2048 --suffix 256 \
         --repetitions 3 --dtype bfloat16 --json "$steps_file/ttft.json"
 fi
 
-"$py" - "$steps_file" "$result" "$dry_run" "$started" <<'PY'
+asm_py="$py"
+[[ -x "$asm_py" ]] || asm_py="$(command -v python3)"  # a failed venv: the JSON still says why
+"$asm_py" - "$steps_file" "$result" "$dry_run" "$started" <<'PY'
 """Assemble gpu-check's JSON: the steps, their results, and the checks read from them."""
 import json
 import platform

@@ -44,7 +44,7 @@ from kvtier.connector.jobs import JobResult, JobRunner
 from kvtier.connector.layerwise import LayerLoad, LayerSave, run_load
 from kvtier.connector.pages import check_caches, gather_blocks, get_page_layout, host_views, page_index
 from kvtier.connector.stats import ConnectorStats
-from kvtier.connector.streams import Event, Staging, Streams, streams_for
+from kvtier.connector.streams import Event, HostStream, Staging, Streams, streams_for
 from kvtier.connector.transfer import Outcome, Transfer
 
 
@@ -177,7 +177,8 @@ class KVConnectorCore:
 
     def start_load(self, hashes: Sequence[bytes], page_ids: Sequence[int]) -> LayerLoad:
         """:meth:`load`, consumed layer by layer: the records are fetched and verified on the
-        connector's load thread, then placed one layer at a time (see :class:`LayerLoad`).
+        connector's load thread, then placed one layer at a time (see :class:`LayerLoad`). With
+        synchronous host streams the records are fetched in the caller's thread before this returns.
 
         Call from the engine's thread (the load is ordered after the compute queued so far). The
         engine must not read the pages of layer ``i`` before :meth:`LayerLoad.wait_layer` (``i``).
@@ -191,6 +192,13 @@ class KVConnectorCore:
         with self._reads_lock:
             after = [self.streams.compute.record_event(), *self._reads]
         streams, staging = self.streams, self._staging
+        if isinstance(streams.load, HostStream):
+            # Synchronous host copies: no thread to hand over to (on a busy host a wake-up costs more
+            # than it could overlap); the records are fetched here and each layer is placed by
+            # wait_layer as the engine reaches it.
+            run_load(load, self._transfer, keys, caches, views, index, self.page_layout, self.block_shape, streams,
+                     staging, after)
+            return load
         self._load_jobs.submit(lambda job: run_load(load, self._transfer, keys, caches, views, index, self.page_layout,
                                                     self.block_shape, streams, staging, after) or JobResult(job, True, 0))
         return load

@@ -17,7 +17,8 @@ it is trusted before all of it is in and verified. A load therefore runs in two 
    engine computes layer ``i``.
 
 On a host with synchronous streams (:func:`kvtier.connector.streams.host_streams`, CPU caches)
-phase 2 runs in the consumer's thread: :meth:`LayerLoad.wait_layer` places layer ``i`` when the
+phase 1 runs in the caller's thread (:meth:`KVConnectorCore.start_load`) and phase 2 in the
+consumer's: :meth:`LayerLoad.wait_layer` places layer ``i`` when the
 engine reaches it. A copy on another thread would compete with the engine's compute for the
 cores and the GIL (which made a partial hit slower, not faster, on a loaded 2-core host), and a
 host's copies are not asynchronous anyway; the overlap is a GPU's, whose copy engines run beside

@@ -34,4 +34,5 @@ SUITES: dict[str, tuple[str, str]] = {
     "soak": ("kvtier.bench.soak.suite", "many clients of mixed lookup/save/load at full capacity: errors, RSS, leaks"),
     "fuzz": ("kvtier.bench.fuzz.suite", "feed every untrusted-input decoder random and mutated inputs"),
     "abuse": ("kvtier.bench.abuse", "a client's save/load p99 and the daemon's RSS under unauthenticated attacks"),
+    "remote": ("kvtier.bench.remote", "remote tier on a Redis Cluster: kvtier's upload/fetch vs plain redis-py pipelines"),
 }

@@ -57,6 +57,8 @@ WRITE_MODES = ("through", "back", "read-only")
 UPLOAD_BATCH_BYTES = 32 << 20
 """Payload bytes of one upload call at most (records are built for one batch at a time)."""
 UPLOAD_BATCH_BLOCKS = 32
+LOOKUP_WINDOW = 32
+"""Keys a lookup asks the cluster about first; each window after a full run of hits is twice as large."""
 PINNED_SHARE = 4
 """Write-through pins queued blocks in host memory: at most 1/PINNED_SHARE of the host tier."""
 
@@ -221,11 +223,25 @@ class RemoteLink:
         """How many of ``keys``, from the first, the cluster holds (within the lookup budget)."""
         if not self.enabled or not keys:
             return 0
-        found = await self.blocks.exists([self.key(k) for k in keys], timeout_s=self.options.lookup_budget_s)
-        n = 0
-        while n < len(found) and found[n]:
-            n += 1
-        self.counters.lookup_keys += len(keys)
+        # Windows that double while every key is there: a long prompt whose prefix ends early
+        # costs one small batch, not thousands of EXISTS; all windows share the one budget.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.options.lookup_budget_s
+        n, window = 0, LOOKUP_WINDOW
+        while n < len(keys):
+            left = deadline - loop.time()
+            if left <= 0:
+                break
+            ask = keys[n:n + window]
+            found = await self.blocks.exists([self.key(k) for k in ask], timeout_s=left)
+            self.counters.lookup_keys += len(ask)
+            run = 0
+            while run < len(found) and found[run]:
+                run += 1
+            n += run
+            if run < len(ask):
+                break
+            window *= 2
         self.counters.lookup_hits += n
         return n
 

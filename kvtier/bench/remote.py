@@ -1,0 +1,295 @@
+"""`kvtier bench remote`: the remote tier's upload and fetch vs plain redis-py on the same cluster.
+
+The same workload both ways, alternating in one run: ``--clients`` processes each own a share of
+a ``--working-set-mib`` working set of whole block records of ``--sizes-mib`` (2 and 8 MiB), and
+upload it all, then fetch it all, at once:
+
+* **kvtier**: :class:`~kvtier.daemon.remote.redis_cluster.RedisClusterBlocks`, what each daemon's
+  store uses (keys sorted by slot, pipelines of ``batch_keys``, ``parallel`` of them in flight,
+  one deadline per call), and every fetched record verified as the daemon does
+  (:func:`~kvtier.daemon.remote.verify.verify_record`: header, key, payload xxh3);
+* **baseline**: redis-py's asyncio ``RedisCluster``, one pipeline of plain ``SET`` / ``GET`` per
+  client (redis-py splits it per node and sends to the nodes concurrently), nothing verified.
+
+A row's figure is the working set's bytes over the wall time from the first client's start to
+the last one's end (GB/s, decimal). The cluster is ``--cluster URL`` (seed nodes, as ``--remote``),
+or a private one this suite starts on loopback: 3 masters + 3 replicas of Debian's
+``redis-server`` (persistence off, ``allkeys-lru``), stopped at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import os
+import random
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvtier.bench.report import SuiteResult, alternate, gbps, progress, throughput_row
+
+DESCRIPTION = "remote tier (Redis Cluster): kvtier's upload/fetch vs plain redis-py RedisCluster pipelines"
+MiB = 1 << 20
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cluster", metavar="URL", default=None,
+                        help="redis+cluster://HOST:PORT[,...] to use (default: start 3 masters + 3 replicas on "
+                             "loopback)")
+    parser.add_argument("--sizes-mib", default=None, help="block sizes in MiB, comma-separated (default 2,8; "
+                                                          "--quick 2)")
+    parser.add_argument("--working-set-mib", type=int, default=None, help="bytes of records per size "
+                                                                         "(default 256; --quick 16)")
+    parser.add_argument("--clients", type=int, default=None, help="client processes (default 4; --quick 2)")
+    parser.add_argument("--batch", type=int, default=8, help="kvtier's commands per pipeline (default 8)")
+
+
+# --- a private cluster on loopback -----------------------------------------------------------------
+
+
+class LoopbackCluster:
+    """3 masters + 3 replicas of ``redis-server`` on free loopback ports, persistence off."""
+
+    def __init__(self, nodes: int = 6) -> None:
+        self.ports: list[int] = []
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.work = Path(tempfile.mkdtemp(prefix="kvtier-bench-cluster-"))
+        self.nodes = nodes
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.ports)
+
+    def start(self, timeout_s: float = 60.0) -> None:
+        """Raises RuntimeError when redis-server / redis-cli are missing or the cluster does not form."""
+        server, cli = shutil.which("redis-server"), shutil.which("redis-cli")
+        if server is None or cli is None:
+            raise RuntimeError("redis-server and redis-cli are needed (Debian: apt-get install redis-server)")
+        try:
+            self._start(server, cli, timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, server: str, cli: str, timeout_s: float) -> None:
+        for _ in range(self.nodes):
+            port = _free_pair()
+            d = self.work / str(port)
+            d.mkdir()
+            self.ports.append(port)
+            self.procs.append(subprocess.Popen(
+                [server, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+                 "--cluster-config-file", str(d / "nodes.conf"), "--cluster-node-timeout", "2000",
+                 "--dir", str(d), "--save", "", "--appendonly", "no", "--maxmemory", "2gb",
+                 "--maxmemory-policy", "allkeys-lru", "--repl-diskless-sync-delay", "0",
+                 "--cluster-require-full-coverage", "no", "--logfile", str(d / "redis.log")],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + timeout_s
+        for port, proc in zip(self.ports, self.procs):
+            while subprocess.run([cli, "-p", str(port), "ping"], capture_output=True, text=True).stdout.strip() != "PONG":
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    log = self.work / str(port) / "redis.log"
+                    tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+                    raise RuntimeError(f"redis-server on port {port} did not start:\n{tail}")
+                time.sleep(0.05)
+        subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports), "--cluster-replicas",
+                        "1", "--cluster-yes"], capture_output=True, check=True, timeout=timeout_s)
+        while not all(self._ok(cli, p) for p in self.ports):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the bench cluster did not reach cluster_state:ok with every replica synced")
+            time.sleep(0.1)
+
+    @staticmethod
+    def _ok(cli: str, port: int) -> bool:
+        info = subprocess.run([cli, "-p", str(port), "cluster", "info"], capture_output=True, text=True).stdout
+        repl = subprocess.run([cli, "-p", str(port), "info", "replication"], capture_output=True, text=True).stdout
+        return "cluster_state:ok" in info and ("role:master" in repl or "master_link_status:up" in repl)
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        self.procs = []
+        shutil.rmtree(self.work, ignore_errors=True)
+
+
+def _free_pair() -> int:
+    """A loopback port that is free, and whose cluster-bus port (+10000) is free too."""
+    for _ in range(200):
+        port = random.randrange(20000, 55000)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 10000))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free loopback port pair for a cluster node")
+
+
+# --- the client processes --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """One phase of one client: ``kind`` kvtier or plain, ``op`` upload or fetch."""
+
+    kind: str
+    op: str
+    url: str
+    size: int
+    blocks: int
+    client: int
+    batch: int
+
+
+_LOOP: asyncio.AbstractEventLoop | None = None
+_CLIENTS: dict[tuple[str, str], Any] = {}
+_DATA: dict[tuple[int, int, int], list[tuple[Any, bytes]]] = {}
+
+
+def _records(size: int, blocks: int, client: int) -> list[tuple[Any, bytes]]:
+    """This client's records of ``size`` payload bytes: (RemoteKey, whole record), made once."""
+    key = (size, blocks, client)
+    if key not in _DATA:
+        from kvtier_protocol.header import BlockHeader, Section, encode_header, payload_checksum
+        from kvtier_protocol.namespace import Namespace
+
+        from kvtier.daemon.remote.backend import RemoteKey
+
+        head_dim = size // (4 * 2 * 16 * 2)
+        ns = Namespace(model="bench-remote", revision="r1", attention="mha", num_layers=4, num_kv_heads=1,
+                       head_dim=head_dim, block_tokens=16, hash_tokens=16)
+        rng = random.Random(client * 7919 + size)
+        out = []
+        for i in range(blocks):
+            chain = rng.randbytes(32)
+            payload = os.urandom(size)
+            header = BlockHeader(ns_id=ns.ns_id, chain_hash=chain, parent_hash=None, num_tokens=16,
+                                 layout="canonical", shape=(4, 2, 1, 16, head_dim), dtype=ns.kv_dtype, codec="raw",
+                                 sections=(Section("payload", 0, size),), payload_len=size,
+                                 checksum=payload_checksum(payload))
+            out.append((RemoteKey("bench", ns.ns_id, chain), encode_header(header) + payload))
+        _DATA[key] = out
+    return _DATA[key]
+
+
+def _client(job: Job) -> Any:
+    found = _CLIENTS.get((job.kind, job.url))
+    if found is None:
+        if job.kind == "kvtier":
+            from kvtier.daemon.remote.redis_cluster import RedisClusterBlocks, RedisClusterSettings
+
+            found = RedisClusterBlocks(RedisClusterSettings(job.url, timeout_s=120.0, prefix="kvtbench",
+                                                            batch_keys=job.batch))
+        else:
+            from redis.asyncio.cluster import ClusterNode, RedisCluster
+
+            from kvtier.daemon.remote.address import parse_cluster_url
+
+            nodes = [ClusterNode(h, p) for h, p in parse_cluster_url(job.url).nodes]
+            found = RedisCluster(startup_nodes=nodes, decode_responses=False, socket_timeout=120.0)
+        _CLIENTS[(job.kind, job.url)] = found
+    return found
+
+
+def run_job(job: Job) -> tuple[float, float]:
+    """Run one phase in this worker process; its (start, end) wall-clock times."""
+    global _LOOP
+    if _LOOP is None:
+        _LOOP = asyncio.new_event_loop()
+    items = _records(job.size, job.blocks, job.client)
+    client = _LOOP.run_until_complete(_connected(job))
+    start = time.time()
+    _LOOP.run_until_complete(_phase(job, client, items))
+    return start, time.time()
+
+
+async def _connected(job: Job) -> Any:
+    client = _client(job)
+    if job.kind == "plain":
+        await client.initialize()
+    return client
+
+
+async def _phase(job: Job, client: Any, items: list[tuple[Any, bytes]]) -> None:
+    if job.kind == "kvtier":
+        from kvtier.daemon.remote.verify import verify_record
+
+        if job.op == "upload":
+            ok = await client.put(items)
+            if not all(ok):
+                raise RuntimeError(f"kvtier: {ok.count(False)} uploads not acknowledged")
+        else:
+            got = await client.get([k for k, _ in items])
+            for (key, _), value in zip(items, got):
+                if value is None or not verify_record(key, value).ok:
+                    raise RuntimeError("kvtier: a fetched record missing or not the block asked for")
+        return
+    keys = [f"plainbench:{job.client}:{i}".encode() for i in range(len(items))]
+    pipe = client.pipeline()
+    for key, (_, record) in zip(keys, items):
+        if job.op == "upload":
+            pipe.set(key, record)
+        else:
+            pipe.get(key)
+    replies = await pipe.execute()
+    if job.op == "fetch" and any(r is None for r in replies):
+        raise RuntimeError("plain: a GET came back empty")
+
+
+# --- the suite -------------------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace) -> SuiteResult:
+    sizes = [int(float(s) * MiB) for s in (args.sizes_mib or ("2" if args.quick else "2,8")).split(",")]
+    working_set = (args.working_set_mib or (16 if args.quick else 256)) * MiB
+    clients = args.clients or (2 if args.quick else 4)
+    reps = args.repetitions or (1 if args.quick else 5)
+    cluster = None
+    url = args.cluster
+    if url is None:
+        cluster = LoopbackCluster()
+        progress("remote: starting a loopback cluster of 3 masters + 3 replicas")
+        cluster.start()
+        url = cluster.url
+    result = SuiteResult("remote")
+    pool = ProcessPoolExecutor(clients, mp_context=multiprocessing.get_context("spawn"))
+    try:
+        for size in sizes:
+            per_client = max(1, working_set // size // clients)
+            nbytes = per_client * clients * size
+
+            def phase(kind: str, op: str, size: int = size, per_client: int = per_client, nbytes: int = nbytes) -> float:
+                jobs = [Job(kind, op, url, size, per_client, c, args.batch) for c in range(clients)]
+                spans = list(pool.map(run_job, jobs))
+                return gbps(nbytes, max(e for _, e in spans) - min(s for s, _ in spans))
+
+            case = f"{size // MiB} MiB blocks, {nbytes // MiB} MiB, {clients} clients"
+            base = f"redis-py RedisCluster pipeline SET/GET, {clients} clients"
+            progress(f"remote: {case}: upload")
+            up_k, up_b = alternate(lambda: phase("kvtier", "upload"), lambda: phase("plain", "upload"),
+                                   repetitions=reps)
+            progress(f"remote: {case}: fetch")
+            down_k, down_b = alternate(lambda: phase("kvtier", "fetch"), lambda: phase("plain", "fetch"),
+                                       repetitions=reps)
+            result.rows.append(throughput_row(case, "upload", "GB/s", up_k, base, up_b))
+            result.rows.append(throughput_row(case, "fetch (verified)", "GB/s", down_k, base, down_b))
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        if cluster is not None:
+            cluster.stop()
+    return result

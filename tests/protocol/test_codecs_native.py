@@ -137,3 +137,39 @@ def test_native_false_and_unsupported_inputs() -> None:
     secs = {n: memoryview(t.numpy()) for n, t in enc.sections}
     y = decode(secs, codec="int8", quant=enc.quant, shape=tuple(x.shape), dtype="float8_e4m3fn")
     assert y.dtype == torch.float8_e4m3fn
+
+
+def _gen_blocks():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "protocol" / "vectors" / "gen_blocks.py"
+    spec = importlib.util.spec_from_file_location("kvtier_vectors_gen_blocks_native", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the script runs
+    spec.loader.exec_module(module)
+    return module
+
+
+GEN = _gen_blocks()
+
+
+@pytest.mark.parametrize("spec", [s for s in GEN.SPECS if s.codec != "raw"], ids=lambda s: s.name)
+def test_every_quantized_golden_vector_source(spec) -> None:
+    """The golden vectors' sources (every layout they come in, converted to canonical as
+    encode_block does), with their parameters, through both paths; fp8 sources only have the
+    torch path. (test_vectors_blocks.py checks the default path against the stored bytes.)"""
+    from kvtier_protocol.layouts import get_layout, to_canonical
+
+    lay = get_layout(spec.layout)
+    x = to_canonical(GEN.source_tensor(spec), lay)
+    quant = spec.quant
+    if quant is None and lay.is_mla:
+        quant = default_quant(spec.codec, mla=True)
+    if x.dtype not in DTYPES:
+        assert not codecs._use_native(None, x.device, x.dtype)
+        return
+    _check(x.contiguous(), spec.codec, quant, mla=lay.is_mla)
+    _check(x, spec.codec, quant, mla=lay.is_mla)  # a strided view: the C loops read a contiguous copy

@@ -446,3 +446,50 @@ def test_a_full_upload_queue_drops_and_counts_never_waits(world: ManyHosts, tmp_
         wait_for_uploads(small, 2)
     finally:
         small.close()
+
+
+# --- the vLLM connector: prefill/decode disaggregation through the shared tier --------------------
+
+
+def test_vllm_connector_producer_on_a_consumer_on_b(daemons: dict[str, HostDaemon],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.connectors.kvtier_vllm import vllmkit
+
+    made = vllmkit.vllm_config
+
+    def role(kv_role: str):
+        def config(*args, **kwargs):  # the kv_transfer_config a P/D deployment gives each side
+            cfg = made(*args, **kwargs)
+            cfg.kv_transfer_config.kv_role = kv_role
+            cfg.kv_transfer_config.is_kv_producer = kv_role == "kv_producer"
+            return cfg
+        return config
+
+    a, b = daemons["a"], daemons["b"]
+    model = "pd-remote-test"
+    monkeypatch.setattr(vllmkit, "vllm_config", role("kv_producer"))
+    producer = vllmkit.MiniEngine(a.address, "v033-lbnhc", model=model)
+    monkeypatch.setattr(vllmkit, "vllm_config", role("kv_consumer"))
+    consumer = vllmkit.MiniEngine(b.address, "v033-lbnhc", model=model)
+    try:
+        before = a.remote()["uploaded"]
+        prompt = torch.randint(0, 32000, (6 * vllmkit.BLOCK + 2,), generator=torch.Generator().manual_seed(9)).tolist()
+        ra = producer.add(vllmkit.Request("p", prompt))
+        producer.run_until_idle()
+        saved = {j: producer.layer_pages(ra.block_ids[j]) for j in range(6)}
+        producer.finish(ra)
+        producer.settle()
+        wait_for_uploads(a, before + 6)
+        fetched = b.remote()["fetched_blocks"]
+        rb = consumer.add(vllmkit.Request("c", prompt))
+        consumer.step()  # lookup: 6 full blocks, all on the remote tier for B
+        assert consumer.matched["c"] == 6 * vllmkit.BLOCK
+        consumer.run_until_idle()
+        assert not consumer.invalid
+        for j in range(6):
+            for got, want in zip(consumer.layer_pages(rb.block_ids[j]), saved[j]):
+                assert torch.equal(got, want), f"block {j} differs on the consumer"
+        assert b.remote()["fetched_blocks"] == fetched + 6
+    finally:
+        producer.close()
+        consumer.close()

@@ -47,6 +47,7 @@ from kvtier.engine.config import ModelConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.sampler import SamplingParams
 from kvtier_protocol.block import decode_block, encode_block
+from kvtier_protocol.quant import QuantParams
 
 DESCRIPTION = "top-1 agreement, KL and max logit error of lossy KV codecs (reference engine, GQA and MLA)"
 
@@ -54,11 +55,14 @@ CHAINS: dict[str, tuple[str, ...]] = {
     "raw": ("raw",),
     "raw>int8": ("raw", "int8"),
     "raw>int8>int8": ("raw", "int8", "int8"),
+    "raw>int8/token": ("raw", "int8/token"),
     "int4": ("int4",),
     "fp8_e4m3": ("fp8_e4m3",),
 }
 """Codec chains: each codec encodes the previous one's decoded tensor (host raw -> disk int8 -> a
-remote tier re-encoding what it read)."""
+remote tier re-encoding what it read). ``int8/token``: int8 with K, like V, one scale per token
+(whole-row groups): smaller than the default per-channel K on short blocks (SPEC 5.9), at the
+cost of KIVI's outlier channels."""
 LM_HEAD_SCALES = (1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0)
 ENTROPY_TARGET = 2.0
 """nats: the next-token distribution must be at least this peaked (the issue's bar)."""
@@ -133,9 +137,12 @@ class PrefixKV:
         nbytes = 0
         for page in self.pages:
             block = self.read(page)
-            for codec in chain:
+            for name in chain:
+                codec, _, axis = name.partition("/")
+                quant = QuantParams(8, axis, axis, 0, 0, "float16", self.rope) if axis else None
                 record = encode_block(block, ns_id=NS_ID, chain_hash=page.to_bytes(8, "little") + bytes(8),
-                                      parent_hash=None, layout=self.layout, codec=codec, mla_rope_dim=self.rope)
+                                      parent_hash=None, layout=self.layout, codec=codec, quant=quant,
+                                      mla_rope_dim=self.rope)
                 _, block = decode_block(record, layout=self.layout)
             nbytes += len(record)
             self.write(page, block)

@@ -34,6 +34,7 @@ from kvtier.client import Client
 from kvtier.commands.admin import register
 from tests.kvtier.conftest import KvtierDaemon
 from tests.kvtier.daemon.server.planekit import RawClient
+from tests.kvtier.waitkit import PATIENCE_S, wait_until
 
 TOKEN_A, TOKEN_B = (f"{who}-{secrets.token_urlsafe(24)}" for who in ("alice", "bob"))
 MARKER = secrets.token_bytes(64)  # in every payload of A: must never be readable by B
@@ -256,13 +257,47 @@ def test_rest_scopes_every_store_route_to_the_token(daemon: KvtierDaemon, rest: 
     assert [t["name"] for t in http(rest, "GET", "/v1/tenants", TOKEN_B)[1]["tenants"]] == ["bob"]
 
 
-def _sse(base: str, token: str, query: str, got: list[dict], stop: threading.Event) -> None:
+def _sse(base: str, token: str, query: str, got: list[dict], stop: threading.Event,
+         subscribed: threading.Event) -> None:
     req = urllib.request.Request(base + "/v1/events" + query, headers={"Authorization": f"Bearer {token}"})
-    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=10) as resp:
+    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=PATIENCE_S) as resp:
         while not stop.is_set():
             line = resp.readline()
-            if line.startswith(b"data: "):
+            if line.startswith(b": kvtier events"):  # the daemon writes it once it has subscribed us
+                subscribed.set()
+            elif line.startswith(b"data: "):
                 got.append(json.loads(line[6:]))
+
+
+def _zmq_hashes(frames: list[bytes]) -> set[int]:
+    return {h for e in decode_batch(frames[2]).events for h in e.block_hashes}
+
+
+def _zmq_joined(sub: zmq.Socket, client: Client, ns: Namespace, seed: int) -> set[int]:
+    """Save probe blocks of ``ns`` with ``client`` until ``sub`` has an event, and return the probes'
+    event hashes. A PUB drops what it sends before a subscriber's subscription reaches it (ZMQ's
+    slow joiner), and only a message received tells that it has."""
+    probes: set[int] = set()
+    deadline = time.monotonic() + PATIENCE_S
+    while not sub.poll(100):
+        assert time.monotonic() < deadline, "the subscription never reached the daemon's publisher"
+        ((key, rec, tokens),) = records(ns, 1, seed=seed + len(probes))
+        assert client.save(ns.ns_id, [(key, rec)], tokens=[tokens]) == ["stored"]
+        probes.add(event_hash(key))
+    return probes
+
+
+def _zmq_until(sub: zmq.Socket, hashes: set[int]) -> list[list[bytes]]:
+    """Every message ``sub`` receives until their events have named all of ``hashes``."""
+    got: list[list[bytes]] = []
+    seen: set[int] = set()
+    deadline = time.monotonic() + PATIENCE_S
+    while not hashes <= seen:
+        left = deadline - time.monotonic()
+        assert left > 0 and sub.poll(int(left * 1000)), f"{len(hashes - seen)} block events never came"
+        got.append(sub.recv_multipart())
+        seen |= _zmq_hashes(got[-1])
+    return got
 
 
 def test_events_reach_only_the_tenants_own_streams(daemon: KvtierDaemon, rest: str, saved_a: list) -> None:
@@ -279,33 +314,43 @@ def test_events_reach_only_the_tenants_own_streams(daemon: KvtierDaemon, rest: s
         subs[name] = sub
     streams: dict[str, list[dict]] = {"bob": [], "alice-admin": []}
     stop = threading.Event()
-    threads = [threading.Thread(target=_sse, args=(rest, TOKEN_B, "", streams["bob"], stop), daemon=True),
+    subscribed = [threading.Event(), threading.Event()]
+    threads = [threading.Thread(target=_sse, args=(rest, TOKEN_B, "", streams["bob"], stop, subscribed[0]),
+                                daemon=True),
                threading.Thread(target=_sse, args=(rest, daemon.token, "?tenant=alice", streams["alice-admin"],
-                                                   stop), daemon=True)]
+                                                   stop, subscribed[1]), daemon=True)]
     for t in threads:
         t.start()
-    time.sleep(0.5)  # subscriptions are in place (SSE subscribes at once; ZMQ joins after connect)
-    new_a, new_b = records(NS_A, 2, seed=3, marker=MARKER), records(NS_B, 1, seed=4)
-    with Client(daemon.address, token=TOKEN_A) as a:
+    default_ns = namespace("salt-of-the-default-store", model="tenants/default")
+    with Client(daemon.address, token=TOKEN_A) as a, Client(daemon.address, token=daemon.token) as admin:
+        # ZMQ subscriptions: probes until each publisher has delivered one (alice's probes are
+        # A's blocks too; the default store's are the admin's, in its own namespace).
+        probes = {"alice": _zmq_joined(subs["alice"], a, NS_A, seed=100),
+                  "default": _zmq_joined(subs["default"], admin, default_ns, seed=200)}
+        for ev in subscribed:
+            assert ev.wait(PATIENCE_S), "an SSE stream never opened"
+        new_a, new_b = records(NS_A, 2, seed=3, marker=MARKER), records(NS_B, 1, seed=4)
         a.save(NS_A.ns_id, [(k, r) for k, r, _ in new_a], tokens=[t for _, _, t in new_a])
-    with Client(daemon.address, token=TOKEN_B) as b:
-        b.save(NS_B.ns_id, [(k, r) for k, r, _ in new_b])
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and not (streams["bob"] and len(streams["alice-admin"]) >= 2):
-        time.sleep(0.05)
-    stop.set()
+        with Client(daemon.address, token=TOKEN_B) as b:
+            b.save(NS_B.ns_id, [(k, r) for k, r, _ in new_b])
+        # Then one more block in the default store: its publisher sends in order, so once this
+        # one's event has arrived, a tenant's event that went astray would have arrived before it.
+        ((end_key, end_rec, end_tokens),) = records(default_ns, 1, seed=300)
+        assert admin.save(default_ns.ns_id, [(end_key, end_rec)], tokens=[end_tokens]) == ["stored"]
     a_hashes = {k.hex() for k, _, _ in new_a}
-    assert a_hashes <= {e["chain_hash"] for e in streams["alice-admin"]}
+    wait_until(lambda: streams["bob"] and a_hashes <= {e["chain_hash"] for e in streams["alice-admin"]},
+               what="the SSE events of A's and B's saves")
+    stop.set()
     assert streams["bob"] and all(e["ns"] == NS_B.ns_id.hex() for e in streams["bob"])
-    zmq_got: dict[str, list[list[bytes]]] = {"alice": [], "default": []}
-    for name, sub in subs.items():
-        while sub.poll(500 if name == "alice" and not zmq_got[name] else 100):
-            zmq_got[name].append(sub.recv_multipart())
+    zmq_got = {"alice": _zmq_until(subs["alice"], {event_hash(k) for k, _, _ in new_a}),
+               "default": _zmq_until(subs["default"], {event_hash(end_key)})}
+    for sub in subs.values():
         sub.close()
     assert zmq_got["alice"] and all(m[0].endswith(b"/alice") for m in zmq_got["alice"])
     stored = [e for m in zmq_got["alice"] for e in decode_batch(m[2]).events if isinstance(e, BlockStored)]
     assert {event_hash(k) for k, _, _ in new_a} <= {h for e in stored for h in e.block_hashes}
-    assert not zmq_got["default"]  # tenants' events never reach the shared publisher
+    # Tenants' events never reach the shared publisher: it sent the default store's blocks only.
+    assert set().union(*map(_zmq_hashes, zmq_got["default"])) <= probes["default"] | {event_hash(end_key)}
 
 
 # --- secrets ------------------------------------------------------------------------------------

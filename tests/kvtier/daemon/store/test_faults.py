@@ -25,7 +25,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
-import time
+import threading
 from pathlib import Path
 
 import pytest
@@ -36,6 +36,7 @@ from kvtier_protocol.errors import StorageError
 from kvtier.daemon.store.results import PutStatus
 from kvtier.daemon.store.types import Tier, make_key
 from tests.kvtier.daemon.store.storekit import BLOCK, NS, get, make_rec, put
+from tests.kvtier.waitkit import PATIENCE_S, wait_until_async
 
 ROOT = Path(__file__).resolve().parents[4]
 BLOB = 64 << 10  # payload bytes of the blocks whose files are damaged
@@ -245,9 +246,11 @@ async def test_a_slow_disk_delays_the_commit_but_not_lookups_and_releases(open_s
     assert await put(store, [first]) == [True]
     disk = store.disk
     real_put = disk.put_many
+    writing, finish = threading.Event(), threading.Event()
 
-    def slow_put(items):  # the real disk write, after the latency of a struggling device
-        time.sleep(0.5)
+    def slow_put(items):  # a struggling device: the real write, once the test lets it finish
+        writing.set()
+        assert finish.wait(PATIENCE_S), "the test never let the disk finish"
         real_put(items)
 
     disk.put_many = slow_put
@@ -256,12 +259,13 @@ async def test_a_slow_disk_delays_the_commit_but_not_lookups_and_releases(open_s
     store.host.view(res.slots[0])[:] = rec.payload
     held = await store.acquire(NS, [first.chain_hash])
     commit = asyncio.create_task(store.commit(res.lease_id, [rec.header]))
-    await asyncio.sleep(0.05)
-    t0 = time.perf_counter()
+    # The commit's disk write has started and cannot end before ``finish``: had it run on the
+    # event loop, the loop would be stuck in it and this wait could never return.
+    await wait_until_async(writing.is_set, what="the commit's disk write")
     assert store.lookup(NS, [first.chain_hash]).num_hits == 1
     assert store.release(held.lease_id)
-    assert time.perf_counter() - t0 < 0.1, "the event loop answered while the disk was busy"
-    assert not commit.done()
+    assert not commit.done()  # it waits for the disk
+    finish.set()
     assert await commit == [True]
     del disk.put_many
     assert disk.contains(make_key(NS, rec.chain_hash))

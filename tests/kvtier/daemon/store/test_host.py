@@ -8,7 +8,7 @@ import socket
 import stat
 import subprocess
 import sys
-import time
+import threading
 from pathlib import Path
 
 import pytest
@@ -18,6 +18,7 @@ from kvtier_protocol.errors import CapacityError, InvalidRequest, StorageError
 from kvtier.daemon.store import shm
 from kvtier.daemon.store.host import HostTier
 from kvtier.daemon.store.types import Slot
+from tests.kvtier.waitkit import PATIENCE_S
 
 MIB, GIB = 1 << 20, 1 << 30
 
@@ -100,19 +101,27 @@ def test_dropped_tier_leaks_no_files() -> None:
     assert not any(os.path.exists(shm.segment_path(n)) for n in names)
 
 
-def test_prefault_runs_in_background_and_never_blocks_the_constructor() -> None:
-    start = time.perf_counter()
+def test_prefault_runs_in_background_and_never_blocks_the_constructor(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The pre-fault (the real shm.populate) starts only when the test lets it: a constructor that
+    # waited for it would never return (the gate's wait would give up and the check below fail).
+    gate = threading.Event()
+    populate = shm.populate
+
+    def gated_populate(*args: object) -> None:
+        assert gate.wait(PATIENCE_S), "the test never let the pre-fault start"
+        populate(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(shm, "populate", gated_populate)
     t = HostTier(GIB, name_prefix="kvtier-prefault", pin=False)
-    took = time.perf_counter() - start
     try:
-        # Pre-faulting a GiB takes ~0.1-1 s; the constructor must not have waited for it.
-        assert not t.prefault_done.is_set(), f"constructor waited for the pre-fault ({took:.3f} s)"
+        assert not t.prefault_done.is_set(), "the constructor waited for the pre-fault"
         slot = t.allocate(MIB)
         assert slot is not None
         t.view(slot)[:4] = b"live"  # usable while pre-faulting
-        assert t.prefault_done.wait(60)
+        gate.set()
+        assert t.prefault_done.wait(PATIENCE_S)
         assert t.prefault_error is None
-        assert t.pin_done.wait(60) and not t.pinned
+        assert t.pin_done.wait(PATIENCE_S) and not t.pinned
         assert bytes(t.view(slot)[:4]) == b"live"  # pre-faulting never changes contents
     finally:
         t.close()

@@ -34,7 +34,9 @@ count rows have ratio kvtier / baseline.
   the disk tier's RocksDB files follow compactions and are shown, not compared), client
   descriptors and mappings leaked, /dev/shm segments left after the daemon stopped, its exit status.
 * daemon RSS peak (``VmHWM``, see :mod:`kvtier.bench.soak.proc` for what it includes) against
-  its idle private RSS + 1.1 x the RAM tiers; its shared-memory part against the host tier.
+  its idle private RSS + 1.1 x the RAM tiers + the disk tier's RAM + one request's payload per
+  client (:meth:`kvtier.bench.soak.rows.Figures.rss_bound`); its shared-memory part against the
+  host tier.
 * eviction: seconds of the window with host / disk evictions, and blocks evicted per tier.
 """
 
@@ -56,11 +58,12 @@ from typing import Any
 
 from kvtier.bench.daemon import BenchDaemon, child_env
 from kvtier.bench.report import SuiteResult, progress
-from kvtier.bench.soak.data import NS_ID, Workload
+from kvtier.bench.soak.data import NS_ID, SIZES, Workload
 from kvtier.bench.soak.proc import Sampler, fd_census, memory, rest_stats, shm_segments
 from kvtier.bench.soak.rows import Figures, rows, violations
 from kvtier.bench.soak.worker import WorkerConfig
 from kvtier.client import Client
+from kvtier.daemon.store.disk_ram import ram_budget
 
 DESCRIPTION = "many clients of mixed lookup/save/load at full capacity: errors, RSS, leaks"
 MIB = 1 << 20
@@ -75,8 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="client processes (default: CPUs, at most 4, at most --clients)")
     parser.add_argument("--tcp-clients", type=int, default=None, help="clients over TCP (default clients/8)")
     parser.add_argument("--host-mib", type=int, default=None,
-                        help="host tier MiB (default 1024; --quick 64). The daemon's fixed private memory "
-                             "(~55 MiB idle, ~70 MiB more under 64 clients) is over 10 %% of a smaller tier")
+                        help="host tier MiB (default 1024; --quick 64). The RSS bound counts the disk "
+                             "tier's buffers and one request's payload per client by name; 10 %% of the "
+                             "tier covers the rest of the daemon's working memory only from ~64 MiB up")
     parser.add_argument("--disk-mib", type=int, default=None, help="disk tier MiB (default 512; --quick 128)")
     parser.add_argument("--working-set", type=float, default=2.0,
                         help="working set as a multiple of host + disk tiers (default 2)")
@@ -142,6 +146,9 @@ class Run:
         self.rest = m["url"]
         mem = memory(self.pid)
         self.fig.idle_private = mem["RssAnon"] + mem["RssFile"]
+        write_buffer, _, buffer_pool = ram_budget(plan.host_bytes)
+        self.fig.disk_tier_ram = 3 * write_buffer + buffer_pool  # two memtables, the block cache, the pool
+        self.fig.in_flight = plan.clients * plan.work.blocks * max(SIZES)
         self.fig.idle_memory = mem
 
     def stats(self) -> dict[str, Any]:
@@ -208,7 +215,7 @@ class Run:
 
     def afterwards(self) -> None:
         """Leases, reservations and descriptors once every client has gone; then stop the daemon."""
-        deadline = time.monotonic() + 10.0
+        deadline = time.monotonic() + 60.0  # far beyond what a loaded machine takes
         while True:  # the daemon releases a connection's leases when it notices the close
             stats = self.stats()
             fds = fd_census(self.pid, self.work_dir)

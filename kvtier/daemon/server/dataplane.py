@@ -192,6 +192,12 @@ class DataPlane:
     # --- connections ---------------------------------------------------------------------------
 
     async def _accept(self, reader: FrameStream, writer: asyncio.StreamWriter, *, tcp: bool) -> None:
+        try:
+            await self._serve(reader, writer, tcp=tcp)
+        finally:
+            reader.release()  # no cycle left for the collector, which skips frozen objects
+
+    async def _serve(self, reader: FrameStream, writer: asyncio.StreamWriter, *, tcp: bool) -> None:
         if self._stopping:
             await _refuse(writer, Unavailable("the daemon is shutting down"))
             return

@@ -16,7 +16,7 @@ import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from rocksdict import DBCompressionType, Options, Rdict, WriteBatch, WriteOptions
+from rocksdict import BlockBasedOptions, Cache, DBCompressionType, Options, Rdict, WriteBatch, WriteOptions
 
 from kvtier_protocol.errors import KVTierError, StorageError
 
@@ -92,6 +92,15 @@ class MetaDB:
         opts.set_write_buffer_size(write_buffer_bytes)
         opts.set_compression_type(DBCompressionType.none())  # keys are hashes, headers small: no gain
         opts.set_paranoid_checks(True)
+        # RocksDB's default block cache (32 MiB) fills with the blocks of every table file a read
+        # touched, and compactions keep making new files: commits and reads of a few thousand
+        # keys grew a process ~4 MiB per 20K commits until it was full, memory no bound on the
+        # daemon counted. The metadata is a few hundred bytes a block, and a table read the cache
+        # misses is a page-cache read: a cache the memtable's size (1-8 MiB, from the host tier
+        # by disk_ram.ram_budget), shared by both families, is enough.
+        table = BlockBasedOptions()
+        table.set_block_cache(Cache(write_buffer_bytes))
+        opts.set_block_based_table_factory(table)
         self.path = os.path.join(tier_path, "meta")
         self._write_opts = WriteOptions()
         self._write_opts.sync = sync

@@ -228,7 +228,11 @@ async def _main(cfg: WorkerConfig) -> dict[str, Any]:
     clients = await soak.run(clients, seconds)
     for c in clients:
         await c.close()
-    await asyncio.sleep(0.2)  # transports close on the loop's next iterations
+    # Transports close on the loop's next iterations: wait until the descriptors and mappings are
+    # back, or long enough that what is still open is a leak (the rows report it then).
+    deadline = time.monotonic() + 30.0
+    while (open_fds() > fds_before or shm_mappings() > maps_before) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
     return {"index": cfg.index, "kinds": {k: asdict(v) for k, v in soak.stats.items()},
             "fds_before": fds_before, "fds_after": open_fds(),
             "shm_maps_before": maps_before, "shm_maps_after": shm_mappings()}

@@ -34,6 +34,7 @@ from kvtier.daemon.server.events import EventHub
 from kvtier.daemon.server.metrics import Metrics
 from kvtier.daemon.store.config import StoreConfig
 from kvtier.daemon.store.store import TieredStore
+from tests.kvtier.waitkit import PATIENCE_S
 
 TOKEN = "dataplane-test-token-0123456789"
 NS = Namespace(model="test/model", revision="r1", attention="mha", num_layers=1, num_kv_heads=1,
@@ -238,7 +239,7 @@ async def open_plane(tmp_path: Path, *, token: str | None = TOKEN, host_bytes: i
         shutil.rmtree(sockdir, ignore_errors=True)
 
 
-async def eventually(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+async def eventually(predicate: Callable[[], bool], timeout: float = PATIENCE_S) -> None:
     """Wait until ``predicate()`` holds (the daemon reacts to a client's close asynchronously)."""
     deadline = time.monotonic() + timeout
     while not predicate():

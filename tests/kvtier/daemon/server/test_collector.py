@@ -12,6 +12,7 @@ import pytest
 
 from kvtier.daemon.server import collector
 from kvtier.daemon.server.collector import GEN0_THRESHOLD, PAUSE_BUCKETS, CollectorPolicy, Pauses
+from tests.kvtier.waitkit import wait_until_async
 
 
 class Node:
@@ -97,11 +98,7 @@ async def test_the_full_collection_runs_every_interval():
         gone = weakref.ref(b)
         gc.freeze()  # as a freeze after a collection would, while it was alive
         del b
-        for _ in range(100):
-            await asyncio.sleep(0.01)
-            if gone() is None:
-                break
-        assert gone() is None, "the periodic full collection did not run"
+        await wait_until_async(lambda: gone() is None, what="the periodic full collection")
     finally:
         await policy.stop()
 

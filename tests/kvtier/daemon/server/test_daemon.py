@@ -35,6 +35,7 @@ from kvtier.daemon.server.sdnotify import SdNotifier
 from kvtier.daemon.store.types import Tier
 from kvtier_protocol import frames as fr
 from kvtier_protocol.header import BlockHeader, Section, encode_header, payload_checksum
+from tests.kvtier.waitkit import PATIENCE_S
 
 ROOT = Path(__file__).resolve().parents[4]
 NS_ID = bytes(range(16))
@@ -70,7 +71,7 @@ class Kvtierd:
         for line in self.proc.stderr:
             self.lines.append(line.rstrip("\n"))
 
-    def wait_for(self, pattern: str, timeout: float = 15.0) -> re.Match[str]:
+    def wait_for(self, pattern: str, timeout: float = PATIENCE_S) -> re.Match[str]:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for line in list(self.lines):
@@ -87,7 +88,7 @@ class Kvtierd:
     def segments(self) -> list[str]:
         return glob.glob(f"/dev/shm/{self.prefix}-*")
 
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = PATIENCE_S) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
         rc = self.proc.wait(timeout)
@@ -202,7 +203,7 @@ def test_serves_stops_cleanly_and_restart_keeps_the_disk_tier(tmp_path: Path, da
         assert not ep.endswith(":0"), f"port 0 not resolved in {ep}"
     assert stat.S_IMODE(os.stat(d.socket).st_mode) == 0o600 and stat.S_ISSOCK(os.stat(d.socket).st_mode)
     assert stat.S_IMODE(os.stat(d.data_dir / "token").st_mode) == 0o600
-    with urllib.request.urlopen(f"{rest}/v1/health", timeout=10) as resp:
+    with urllib.request.urlopen(f"{rest}/v1/health", timeout=PATIENCE_S) as resp:
         assert resp.status == 200
     assert d.segments(), "the host tier lives in /dev/shm"
 
@@ -211,7 +212,7 @@ def test_serves_stops_cleanly_and_restart_keeps_the_disk_tier(tmp_path: Path, da
     assert client.put(blocks) == ["stored"] * 6
     assert client.get(list(blocks)) == list(blocks.values())
     client.close()
-    with urllib.request.urlopen(f"{rest}/metrics", timeout=10) as resp:  # kvtier.daemon.server.collector at work
+    with urllib.request.urlopen(f"{rest}/metrics", timeout=PATIENCE_S) as resp:  # kvtier.daemon.server.collector at work
         gc_samples = {s.name: s.value for fam in text_string_to_metric_families(resp.read().decode())
                       for s in fam.samples if s.name.startswith("kvtier_gc_") and s.labels.get("le") is None}
     assert gc_samples["kvtier_gc_frozen_objects"] > 10_000  # the daemon's modules and services, at least
@@ -376,7 +377,7 @@ def test_a_configured_gpu_tier_is_switched_off_without_cuda(caplog: pytest.LogCa
 def _listener(address: str | bytes) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.bind(address)
-    sock.settimeout(5)
+    sock.settimeout(PATIENCE_S)  # every recv below expects a datagram
     return sock
 
 

@@ -19,6 +19,7 @@ from kvtier.bench.crash.data import NS_ID, Link, block_key, block_parts
 from kvtier_protocol.errors import LeaseError
 from kvtier_protocol.frames import encode_frame
 from tests.kvtier.conftest import KvtierDaemon
+from tests.kvtier.waitkit import PATIENCE_S
 
 BLOCK = 256 << 10
 HOST = 4 * BLOCK
@@ -43,7 +44,7 @@ def _stats(link: Link) -> dict:
     return {"leases": s["leases"], "pending": s["pending"], "host": s["tiers"]["host"]["used_bytes"]}
 
 
-def _wait_for(pred, timeout_s: float = 5.0) -> bool:
+def _wait_for(pred, timeout_s: float = PATIENCE_S) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if pred():

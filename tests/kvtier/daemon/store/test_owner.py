@@ -25,6 +25,7 @@ from kvtier.daemon.store.store import TieredStore
 from kvtier.daemon.store.types import make_key
 from tests.kvtier.conftest import ROOT
 from tests.kvtier.daemon.store.storekit import make_rec
+from tests.kvtier.waitkit import PATIENCE_S
 
 
 @contextmanager
@@ -126,7 +127,7 @@ def _state(pid: int) -> str:
     return text[text.rfind(")") + 2]
 
 
-def _wait_until(pred, timeout_s: float = 10.0) -> bool:
+def _wait_until(pred, timeout_s: float = PATIENCE_S) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if pred():

@@ -12,7 +12,17 @@ upload it all, then fetch it all, at once:
   client (redis-py splits it per node and sends to the nodes concurrently), nothing verified.
 
 A row's figure is the working set's bytes over the wall time from the first client's start to
-the last one's end (GB/s, decimal). The cluster is ``--cluster URL`` (seed nodes, as ``--remote``),
+the last one's end (GB/s, decimal).
+
+Cross-host TTFT (``--ttft-tokens``, 4096; 0 skips it): two daemons share only the cluster ("host A"
+and "host B": separate processes, sockets and local tiers, on this machine); the reference
+engine on A prefills a prompt's prefix (a fresh one per repetition), A uploads it, and the
+reference engine on B answers the whole prompt loading that prefix from the remote tier (B's
+local tiers never held it), next to the same engine computing every token. The row's ratio is
+prefill / hit; a ``bytes per token`` row reports what crossed the network per stored token
+(record bytes fetched by B) next to the model's raw bf16 KV bytes per token (its ratio: raw /
+fetched, below 1 by the headers' share). The checkpoint is ttft's random one (8 layers, hidden 1024;
+``--quick``: 2 layers, hidden 128). The cluster is ``--cluster URL`` (seed nodes, as ``--remote``),
 or a private one this suite starts on loopback: 3 masters + 3 replicas of Debian's
 ``redis-server`` (persistence off, ``allkeys-lru``), stopped at the end.
 """
@@ -50,6 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                                          "(default 256; --quick 16)")
     parser.add_argument("--clients", type=int, default=None, help="client processes (default 4; --quick 2)")
     parser.add_argument("--batch", type=int, default=8, help="kvtier's commands per pipeline (default 8)")
+    parser.add_argument("--ttft-tokens", type=int, default=None,
+                        help="prompt tokens of the cross-host TTFT rows (default 4096; --quick 256; 0: skip them)")
 
 
 # --- a private cluster on loopback -----------------------------------------------------------------
@@ -254,6 +266,74 @@ async def _phase(job: Job, client: Any, items: list[tuple[Any, bytes]]) -> None:
 # --- the suite -------------------------------------------------------------------------------------
 
 
+def _ttft_rows(url: str, tokens: int, reps: int, *, quick: bool) -> list[Any]:
+    """Cross-host TTFT rows: a hit on B through the remote tier vs B computing every token."""
+    import torch
+
+    from kvtier.bench.daemon import BenchDaemon
+    from kvtier.bench.report import Samples, latency_row
+    from kvtier.bench.ttft import BENCH_MODEL, ONE, QUICK_MODEL, _engine_ttft
+    from kvtier.client import Client
+    from kvtier.engine.checkpoint import make_random_checkpoint
+    from kvtier.engine.engine import Engine
+
+    cfg = QUICK_MODEL if quick else BENCH_MODEL
+    work = Path(tempfile.mkdtemp(prefix="kvr-"))  # short: unix socket paths
+    try:
+        make_random_checkpoint(work / "model", cfg, seed=0, dtype=torch.bfloat16)
+        # A generous lookup budget: this figure is about loading, and a loaded bench machine
+        # answers a lookup of thousands of keys slower than the 10 ms default.
+        (work / "remote.toml").write_text("[remote]\nlookup_budget_ms = 500.0\n")
+        flags = ["--config", str(work / "remote.toml"), "--remote", url, "--disk-bytes", "0", "--rest", "off",
+                 "--host-bytes", "1GiB"]
+        a = BenchDaemon(work / "a", flags, suite="remote")
+        b = BenchDaemon(work / "b", flags, suite="remote")
+        (work / "a").mkdir()
+        (work / "b").mkdir()
+        stored = (tokens - 1) // 16 * 16
+        kw: dict[str, Any] = dict(dtype=torch.bfloat16, max_step_tokens=tokens)
+        hits: list[float] = []
+        fulls: list[float] = []
+        crossed = 0
+        with a.running(), b.running(), Client(a.address) as ca, Client(b.address) as cb:
+            with Engine(work / "model", kvtier_address=a.address, **kw) as ea, \
+                    Engine(work / "model", kvtier_address=b.address, **kw) as eb, Engine(work / "model", **kw) as plain:
+                for k in range(reps + 1):  # the first round warms up both engines
+                    prompt = torch.randint(0, cfg.vocab_size, (tokens,),
+                                           generator=torch.Generator().manual_seed(1000 + k)).tolist()
+                    progress(f"remote: TTFT {tokens} tokens, round {k}: prefill on A, upload")
+                    ea.generate([prompt[:stored]], ONE)
+                    ea.flush()
+                    want = stored // 16
+                    while True:  # A's uploads acknowledged (the engine saved every full block)
+                        r = ca.stats()["remote"]
+                        if r["uploaded"] >= want * (k + 1) and r["queue_blocks"] == 0:
+                            break
+                        time.sleep(0.05)
+                    down = cb.stats()["remote"]["bytes_down"]
+                    eb.reset_prefix_cache()
+                    t_hit, out = _engine_ttft(eb, prompt)
+                    if out.loaded_tokens != stored:
+                        raise RuntimeError(f"the hit on B loaded {out.loaded_tokens} of {stored} tokens: "
+                                           f"{cb.stats()['remote']}")
+                    plain.reset_prefix_cache()
+                    t_full, ref = _engine_ttft(plain, prompt)
+                    if not torch.equal(out.first_logits, ref.first_logits):
+                        raise RuntimeError("the hit on B gave other logits than a full prefill")
+                    if k:
+                        hits.append(t_hit)
+                        fulls.append(t_full)
+                        crossed = cb.stats()["remote"]["bytes_down"] - down
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    case = f"cross-host TTFT {tokens} tokens ({stored} on the remote tier)"
+    rows = [latency_row(case, "TTFT", "ms", Samples(hits), "engine prefill on B (no kvtier)", Samples(fulls))]
+    raw = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2  # bf16 K and V of one token
+    rows.append(latency_row(case, "bytes per token fetched", "B", Samples([crossed / stored]),
+                            "raw bf16 KV bytes per token", Samples([float(raw)])))
+    return rows
+
+
 def run(args: argparse.Namespace) -> SuiteResult:
     sizes = [int(float(s) * MiB) for s in (args.sizes_mib or ("2" if args.quick else "2,8")).split(",")]
     working_set = (args.working_set_mib or (16 if args.quick else 256)) * MiB
@@ -288,6 +368,9 @@ def run(args: argparse.Namespace) -> SuiteResult:
                                        repetitions=reps)
             result.rows.append(throughput_row(case, "upload", "GB/s", up_k, base, up_b))
             result.rows.append(throughput_row(case, "fetch (verified)", "GB/s", down_k, base, down_b))
+        tokens = args.ttft_tokens if args.ttft_tokens is not None else (256 if args.quick else 4096)
+        if tokens:
+            result.rows += _ttft_rows(url, tokens, reps, quick=args.quick)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
         if cluster is not None:

@@ -164,6 +164,10 @@ class RemoteBlocks(abc.ABC):
                             timeout_s: float | None = None) -> bytes | None:
         """A namespace's canonical bytes (untrusted: see ``verify.verify_namespace``), or None."""
 
+    def prepare(self) -> None:
+        """Start connecting in the background, if the engine needs to (called once the event
+        loop runs, at the daemon's start); a call before it is ready answers misses."""
+
     @abc.abstractmethod
     async def close(self) -> None:
         """Release connections; the object answers nothing afterwards."""

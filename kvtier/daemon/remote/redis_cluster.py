@@ -159,6 +159,8 @@ class RedisClusterBlocks(RemoteBlocks):
         self._client: RedisCluster | None = None
         self._clock = clock
         self._refresh: asyncio.Task[None] | None = None  # a topology refresh in flight
+        self._init: asyncio.Task[Any] | None = None  # the client's first slot-map discovery
+        self._init_started = 0.0
         self._refreshed_at = -REFRESH_INTERVAL_S
         self._stragglers: set[asyncio.Task[Any]] = set()  # cancelled pipelines still unwinding
         self._closed = False
@@ -232,8 +234,16 @@ class RedisClusterBlocks(RemoteBlocks):
         [a] = await self._call([("GET", key)], timeout_s)
         return a if isinstance(a, bytes) else None
 
+    def prepare(self) -> None:
+        """Start discovering the cluster now, in the background (the daemon calls it at start),
+        so that the first lookup, whose budget is a few milliseconds, finds a client ready."""
+        self._initialized(self._cluster())
+
     async def close(self) -> None:
         self._closed = True
+        if self._init is not None and not self._init.done():
+            self._init.cancel()
+            await asyncio.gather(self._init, return_exceptions=True)
         if self._refresh is not None:
             self._refresh.cancel()
             await asyncio.gather(self._refresh, return_exceptions=True)
@@ -282,6 +292,29 @@ class RedisClusterBlocks(RemoteBlocks):
         reached = failed = False
         kinds: set[str] = set()
         client = self._cluster()
+        init = self._initialized(client)
+        if not init.done():
+            # The slot map is being discovered (first use, or again after a failed discovery):
+            # wait for it within this call's deadline, never cancelling it, so that calls with
+            # small budgets (lookups) cannot keep the client from ever getting ready.
+            began = time.monotonic()
+            await asyncio.wait([init], timeout=deadline)
+            deadline -= time.monotonic() - began
+            if not init.done() or (deadline <= 0 and init.exception() is None):
+                self._counters.error("timeout")
+                # A discovery pending longer than a whole call's timeout is a cluster that does
+                # not answer (a failure for the breaker); a younger one only outlasted a small
+                # budget (a lookup's) and says nothing yet.
+                if self._clock() - self._init_started >= self.settings.timeout_s:
+                    self._breaker.failure()
+                else:
+                    self._breaker.abandon()
+                return answers
+            if init.exception() is not None:
+                kind = error_kind(init.exception())  # type: ignore[arg-type]
+                self._counters.error(kind)
+                self._breaker.failure()
+                return [_Failed(kind)] * len(commands)
         tasks = [asyncio.ensure_future(self._pipeline(client, gate, [commands[i] for i in chunk]))
                  for chunk in chunks]
         try:
@@ -336,6 +369,15 @@ class RedisClusterBlocks(RemoteBlocks):
             self._breaker.abandon()
         return answers
 
+    def _initialized(self, client: RedisCluster) -> asyncio.Task[Any]:
+        """The client's discovery task: started once, and again after one that failed."""
+        init = self._init
+        if init is None or (init.done() and (init.cancelled() or init.exception() is not None)):
+            init = self._init = asyncio.ensure_future(client.initialize())
+            self._init_started = self._clock()
+            init.add_done_callback(_retrieved)
+        return init
+
     def _refresh_topology(self, client: RedisCluster) -> None:
         """Ask the cluster for its slot map again, in the background.
 
@@ -380,6 +422,12 @@ class RedisClusterBlocks(RemoteBlocks):
                             "until a probe succeeds", self.address)
         elif new is BreakerState.CLOSED:
             log.warning("remote tier %s reachable again: circuit breaker closed", self.address)
+
+
+def _retrieved(task: asyncio.Task[Any]) -> None:
+    """Mark a background task's failure as seen (the next call looks at it and counts it)."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _bytes_like(v: Value) -> bytes | memoryview:

@@ -57,6 +57,10 @@ WRITE_MODES = ("through", "back", "read-only")
 UPLOAD_BATCH_BYTES = 32 << 20
 """Payload bytes of one upload call at most (records are built for one batch at a time)."""
 UPLOAD_BATCH_BLOCKS = 32
+FETCH_CHUNK_BYTES = 16 << 20
+"""Payload bytes one fetch call asks for (about): each chunk has the whole call timeout."""
+FETCH_FIRST_KEYS = 8
+"""Keys of the first chunk when the block size is not known yet (the namespace is being learnt)."""
 LOOKUP_WINDOW = 32
 """Keys a lookup asks the cluster about first; each window after a full run of hits is twice as large."""
 PINNED_SHARE = 4
@@ -193,6 +197,7 @@ class RemoteLink:
         self._mover = mover
         if self.enabled:  # else the mover's hot paths see None and skip the link
             mover.remote = self
+            self.blocks.prepare()  # the first lookup's small budget must not pay the discovery
         if self.write_through:  # pinned blocks must leave most of the host tier to the clients
             self._limit = min(self._limit, max(1, mover.index.capacity[Tier.HOST] // PINNED_SHARE))
         if self.uploads:
@@ -251,12 +256,46 @@ class RemoteLink:
         ``namespace`` (of ``ns_id``) is None, the namespace learnt from the cluster (verified)
         with the same wait, or None.
 
-        A key another caller is fetching already is not asked again: both wait for the one GET.
-        A value that is not the block asked for ends the run: it is counted and deleted remotely.
+        Keys are fetched in chunks of about :data:`FETCH_CHUNK_BYTES`, each one call under the
+        call timeout, until one comes back short: a long prefix from a slow cluster is not lost
+        to one deadline, and a dead cluster costs one timeout. A key another caller is fetching
+        already is not asked again: both wait for the one GET. A value that is not the block
+        asked for ends the run: it is counted and deleted remotely.
         """
         if not self.enabled or not keys:
             return [], None
-        learn = self.namespace(ns_id) if namespace is None else None
+        learn = asyncio.ensure_future(self.namespace(ns_id)) if namespace is None else None
+        out: list[Fetched] = []
+        try:
+            block_bytes = namespace.block_payload_bytes() if namespace is not None else 0
+            step = max(1, FETCH_CHUNK_BYTES // block_bytes) if block_bytes else FETCH_FIRST_KEYS
+            i = 0
+            while i < len(keys):
+                chunk = keys[i:i + step]
+                values = await self._get_once(chunk)
+                if learn is not None and namespace is None:
+                    namespace = await learn  # known before the first records are judged
+                run = []
+                for key, value in zip(chunk, values):
+                    if value is None:
+                        break
+                    run.append((key, value))
+                got = await self._judge(run, namespace)
+                out += got
+                if len(got) < len(chunk):
+                    break
+                i += len(chunk)
+                if not block_bytes and namespace is not None:
+                    block_bytes = namespace.block_payload_bytes()
+                    step = max(1, FETCH_CHUNK_BYTES // block_bytes)
+        finally:
+            if learn is not None and not learn.done():
+                learn.cancel()
+        learnt = learn.result() if learn is not None and learn.done() and not learn.cancelled() else None
+        return out, learnt
+
+    async def _get_once(self, keys: Sequence[BlockKey]) -> list[bytes | None]:
+        """``get`` of ``keys``, sharing the GET of any key another caller is fetching now."""
         mine: list[BlockKey] = []
         futures: list[asyncio.Future[bytes | None]] = []
         loop = asyncio.get_running_loop()
@@ -266,34 +305,25 @@ class RemoteLink:
                 fut = self._inflight[key] = loop.create_future()
                 mine.append(key)
             futures.append(fut)
-        try:
-            if mine:
-                get = self.blocks.get([self.key(k) for k in mine], timeout_s=self.options.timeout_s)
-                if learn is not None:
-                    values, namespace = await asyncio.gather(get, learn)
-                else:
-                    values = await get
-                for key, value in zip(mine, values):
-                    fut = self._inflight.pop(key)
-                    if not fut.done():
-                        fut.set_result(value)
-            elif learn is not None:
-                namespace = await learn
-        except BaseException:
-            for key in mine:
-                fut = self._inflight.pop(key, None)
-                if fut is not None and not fut.done():
-                    fut.set_result(None)
-            raise
-        learnt = namespace if learn is not None else None
-        run: list[tuple[BlockKey, bytes]] = []
-        for key, fut in zip(keys, futures):
-            value = await fut
-            if value is None:
-                break
-            run.append((key, value))
+        if mine:
+            try:
+                values = await self.blocks.get([self.key(k) for k in mine], timeout_s=self.options.timeout_s)
+            except BaseException:
+                for key in mine:
+                    fut = self._inflight.pop(key, None)
+                    if fut is not None and not fut.done():
+                        fut.set_result(None)
+                raise
+            for key, value in zip(mine, values):
+                fut = self._inflight.pop(key)
+                if not fut.done():
+                    fut.set_result(value)
+        return [await fut for fut in futures]
+
+    async def _judge(self, run: list[tuple[BlockKey, bytes]], namespace: Namespace | None) -> list[Fetched]:
+        """The verified prefix of ``run`` (on the I/O pool); the first bad value is counted and deleted."""
         if not run:
-            return [], learnt
+            return []
         assert self._mover is not None, "attach() before fetch()"
         verdicts = await self._mover.run(_verify_all, [self.key(k) for k, _ in run], [v for _, v in run], namespace)
         out: list[Fetched] = []
@@ -302,7 +332,7 @@ class RemoteLink:
                 self._bad(key, verdict)
                 break
             out.append(verdict)
-        return out, learnt
+        return out
 
     async def namespace(self, ns_id: bytes) -> Namespace | None:
         """A namespace this store never saw, from the cluster (verified), or None."""

@@ -17,12 +17,19 @@ from kvtier.cli import main
 def test_bench_remote_quick_writes_json(tmp_path: Path) -> None:
     out = tmp_path / "remote.json"
     assert main(["bench", "remote", "--quick", "--repetitions", "1", "--sizes-mib", "1", "--working-set-mib", "4",
-                 "--clients", "1", "--json", str(out)]) == 0
+                 "--clients", "1", "--ttft-tokens", "64", "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert doc["suite"] == "remote"
     rows = {r["metric"]: r for r in doc["rows"]}
-    assert set(rows) == {"upload", "fetch (verified)"}
-    for row in rows.values():
+    assert set(rows) == {"upload", "fetch (verified)", "TTFT", "bytes per token fetched"}
+    for metric in ("upload", "fetch (verified)"):
+        row = rows[metric]
         assert row["case"] == "1 MiB blocks, 4 MiB, 1 clients" and row["unit"] == "GB/s"
         assert row["kvtier"] > 0 and row["baseline"] > 0
         assert row["baseline_name"].startswith("redis-py RedisCluster pipeline")
+    # Cross-host TTFT: host B's hit loaded the 48 stored tokens from the remote tier (checked by the
+    # suite, with torch.equal logits); what crossed per token is a record's share, above raw KV.
+    assert rows["TTFT"]["case"] == "cross-host TTFT 64 tokens (48 on the remote tier)"
+    assert rows["TTFT"]["kvtier"] > 0 and rows["TTFT"]["baseline"] > 0
+    per_token = rows["bytes per token fetched"]
+    assert per_token["kvtier"] > per_token["baseline"] > 0

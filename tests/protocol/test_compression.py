@@ -167,3 +167,14 @@ def test_min_saving_stores_marginal_sections_verbatim() -> None:
     stored, c = compress_sections([bytes(1000)], [1], min_saving=0.999)
     assert c.sections == ((0, 1000),)
     assert compression.ALGORITHMS == ("lz4",)
+
+
+@pytest.mark.parametrize("stride", (2, 4))
+def test_the_numpy_shuffle_of_installs_without_the_c_extension(stride: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = os.urandom(stride * 777)
+    with_c = bytes(shuffle(data, stride))
+    monkeypatch.setattr(compression, "_codecs", None)  # what an install without a C compiler runs
+    assert bytes(shuffle(data, stride)) == with_c
+    back = bytearray(len(data))
+    unshuffle(with_c, stride, back)
+    assert bytes(back) == data

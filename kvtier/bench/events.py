@@ -24,6 +24,11 @@ Rows (events/s, higher is better), per geometry:
     raw messages received by the same subscriber process without decoding: the transport floor.
   * ``decode only``: :func:`decode_batch` of every batch in this process, next to
     ``msgpack.unpackb`` of the same bytes: how close the checked decoder is to msgpack itself.
+
+And one case of ``publish`` call latency (ms, p99 and slowest of :data:`STUCK_PUBLISHES` calls of
+500 events, PUB high-water mark 1) beside a subscriber that joined and never reads, next to the
+same calls with nobody subscribed: ``publish`` only queues for the sender thread, and PUB drops
+what a stuck subscriber does not take, so it must not slow the caller (the store's event pump).
 """
 
 from __future__ import annotations
@@ -39,7 +44,8 @@ from multiprocessing.connection import Connection
 import msgpack
 import zmq
 
-from kvtier.bench.report import Row, Samples, SuiteResult, Timer, alternate, progress, throughput_row
+from kvtier.bench.report import (Row, Samples, SuiteResult, Timer, alternate, latency_row, progress, quantile,
+                                 throughput_row)
 from kvtier.daemon.config import EventsConfig
 from kvtier.daemon.server.event_translate import BlockTokens, EventTranslator
 from kvtier.daemon.server.events import EventHub
@@ -53,6 +59,7 @@ DESCRIPTION = "KV events published and received (decoded) per second vs raw pyzm
 TOPIC = "kv@bench@kvtier"
 PROBE_SEQ = b"\xff" * 8  # raw probe messages; kvtier probes are GPU-tier events, the workload's are CPU
 IDLE_TIMEOUT_S = 5.0  # a subscriber that hears nothing this long reports what it got
+STUCK_PUBLISHES = 100  # of 500 events each: ~2 MB beyond what the stuck subscriber's buffers hold
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -92,6 +99,7 @@ def run(args: argparse.Namespace) -> SuiteResult:
             progress(f"events: {block_tokens}-token blocks, {work.units} hashes each: {work.events} events "
                      f"in {len(work.publishes)} publishes of {batch}, {reps} repetitions")
             result.rows += _rows(work, hub, raw, parent, reps)
+        result.rows += _stuck_rows(zctx, reps)
     finally:
         parent.send(("stop",))
         sub.join(10)
@@ -207,6 +215,50 @@ def _rows(work: Workload, hub: EventHub, raw: zmq.Socket, conn: Connection, reps
                        "raw pyzmq PUB/SUB, same bytes", Samples(received["raw"][1:])),
         throughput_row(case, "decode only", "events/s", decoded, "msgpack.unpackb, same bytes", unpacked),
     ]
+
+
+def _stuck_rows(zctx: zmq.Context, reps: int) -> list[Row]:
+    """``publish`` call latency beside a subscriber that never reads vs with nobody subscribed
+    (a fresh hub for each measurement, alternating)."""
+    ns_id = bytes(16)  # no namespace given: the hub publishes placeholders, as for an unknown one
+    events = [StoreEvent(EventKind.STORED, Tier.HOST, ns_id, i.to_bytes(32, "big"), None, 32) for i in range(500)]
+    probe = [StoreEvent(EventKind.REMOVED, Tier.GPU, ns_id, bytes(32), None, 32)]
+
+    def calls(stuck: bool) -> list[float]:
+        hub = EventHub(EventsConfig(endpoint="tcp://127.0.0.1:*", topic=TOPIC, hwm=1, buffer_steps=64))
+        sub = zctx.socket(zmq.SUB)
+        try:
+            (endpoint,) = hub.start()
+            if stuck:
+                sub.setsockopt(zmq.RCVHWM, 1)
+                sub.setsockopt(zmq.LINGER, 0)
+                sub.setsockopt(zmq.SUBSCRIBE, b"")
+                sub.connect(endpoint)
+                deadline = time.monotonic() + 30.0
+                while not sub.poll(50):  # joined once a probe arrives (the slow-joiner rule); then it never reads
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("events: the stuck subscriber never joined")
+                    hub.publish(probe, {})
+            out = []
+            for _ in range(STUCK_PUBLISHES):
+                t0 = time.perf_counter()
+                hub.publish(events, {})
+                out.append((time.perf_counter() - t0) * 1e3)
+            return out
+        finally:
+            hub.close()
+            sub.close(linger=0)
+
+    progress(f"events: publish calls beside a subscriber that never reads, {reps} repetitions")
+    stuck: list[list[float]] = []
+    alone: list[list[float]] = []
+    for _ in range(reps):
+        stuck.append(calls(True))
+        alone.append(calls(False))
+    case = f"publish of 500 events beside a subscriber that never reads (PUB hwm 1, {STUCK_PUBLISHES} calls)"
+    return [latency_row(case, metric, "ms", Samples([f(c) for c in stuck]), "same calls, nobody subscribed",
+                        Samples([f(c) for c in alone]))
+            for metric, f in (("p99 call", lambda c: quantile(c, 0.99)), ("slowest call", max))]
 
 
 def _unpack(buf: bytes) -> object:

@@ -26,15 +26,23 @@ def test_quick_events_bench_writes_both_rows_per_geometry(tmp_path: Path) -> Non
     doc = json.loads(out.read_text())
     assert doc["suite"] == "events"
     names = {f.name for f in fields(Row)}
-    assert [(r["case"], r["metric"], r["baseline_name"]) for r in doc["rows"]] == [
+    rates, stuck = doc["rows"][:-2], doc["rows"][-2:]
+    assert [(r["case"], r["metric"], r["baseline_name"]) for r in rates] == [
         (f"{case}, 64 per publish", metric, base) for case in ("16-token blocks (1 hashes)", "64-token blocks (4 hashes)")
         for metric, base in (("published", "raw pyzmq PUB, same bytes"),
                              ("received + decoded", "raw pyzmq PUB/SUB, same bytes"),
                              ("decode only", "msgpack.unpackb, same bytes"))]
-    for row in doc["rows"]:
+    for row in rates:
         assert set(row) == names and row["unit"] == "events/s"
         assert math.isfinite(row["kvtier"]) and row["kvtier"] > 0 and row["baseline"] > 0
         assert row["ratio"] == pytest.approx(row["kvtier"] / row["baseline"])
+    # publish beside a subscriber that never reads (the figure test_events' stuck-subscriber test
+    # leaves to the bench): lower is better, ratio = nobody subscribed / stuck.
+    assert [(r["metric"], r["unit"], r["baseline_name"]) for r in stuck] == [
+        (m, "ms", "same calls, nobody subscribed") for m in ("p99 call", "slowest call")]
+    for row in stuck:
+        assert "never reads" in row["case"] and row["kvtier"] > 0 and row["baseline"] > 0
+        assert row["ratio"] == pytest.approx(row["baseline"] / row["kvtier"])
 
 
 def test_workload_alternates_stores_and_their_removals() -> None:

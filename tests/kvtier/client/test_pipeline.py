@@ -203,8 +203,11 @@ def test_a_daemon_killed_mid_save_is_a_typed_error_and_mid_load_a_miss(kvtier_da
             with pytest.raises(ConnectionLost):
                 kv._run(Job(lambda: save, idempotent=False))
             kvtier_daemon.restart()
-            assert len(kv.load(NS_ID, keys, degrade=False)) == 0  # a fresh daemon: memory is gone
-            assert kv.save(NS_ID, [(r.key, bytes(r.record)) for r in records[:8]]) == ["stored"] * 8
+            # a fresh daemon: memory is gone; what its disk tier got written through before the
+            # kill (more or less, with the machine's speed) is served, byte-identical
+            got = kv.load(NS_ID, keys, degrade=False)
+            assert got == [bytes(r.record) for r in records[:len(got)]]
+            assert set(kv.save(NS_ID, [(r.key, bytes(r.record)) for r in records[:8]])) <= {"stored", "exists"}
             assert kv._run(Job(lambda: load, idempotent=True, degrade=True, fallback=[])) == []
     else:
         async def run() -> None:
@@ -213,7 +216,8 @@ def test_a_daemon_killed_mid_save_is_a_typed_error_and_mid_load_a_miss(kvtier_da
                 with pytest.raises(ConnectionLost):
                     await kv._run(Job(lambda: save, idempotent=False))
                 kvtier_daemon.restart()
-                assert len(await kv.load(NS_ID, keys, degrade=False)) == 0
-                assert await kv.save(NS_ID, [(r.key, bytes(r.record)) for r in records[:8]]) == ["stored"] * 8
+                got = await kv.load(NS_ID, keys, degrade=False)
+                assert got == [bytes(r.record) for r in records[:len(got)]]
+                assert set(await kv.save(NS_ID, [(r.key, bytes(r.record)) for r in records[:8]])) <= {"stored", "exists"}
                 assert await kv._run(Job(lambda: load, idempotent=True, degrade=True, fallback=[])) == []
         asyncio.run(run())

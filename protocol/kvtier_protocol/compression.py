@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import lz4.block
-import numpy as np
 
 from kvtier_protocol.errors import CodecError, HeaderError
 
@@ -123,6 +122,8 @@ def shuffle(buf: Any, stride: int) -> bytes | memoryview:
     if _codecs is not None:
         _codecs.shuffle(view, out, stride, False)
     else:
+        import numpy as np  # only where the C loop is not built: the header path stays numpy-free
+
         np.frombuffer(out, np.uint8).reshape(stride, -1)[:] = np.frombuffer(view, np.uint8).reshape(-1, stride).T
     return memoryview(out)
 
@@ -134,6 +135,8 @@ def unshuffle(buf: Any, stride: int, out: Any) -> None:
     elif _codecs is not None:
         _codecs.shuffle(buf, out, stride, True)
     else:
+        import numpy as np  # as in shuffle
+
         np.frombuffer(out, np.uint8).reshape(-1, stride)[:] = np.frombuffer(buf, np.uint8).reshape(stride, -1).T
 
 

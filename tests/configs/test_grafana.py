@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from kvtier.daemon.server.metrics import GPU_METRIC_NAMES, STORE_COUNTERS, STORE_GAUGES, TIER_COUNTERS, TIER_GAUGES
+from kvtier.daemon.server.remote_views import REMOTE_METRIC_NAMES
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = json.loads((ROOT / "configs" / "grafana-dashboard.json").read_text())
@@ -23,7 +24,7 @@ DASHBOARD = json.loads((ROOT / "configs" / "grafana-dashboard.json").read_text()
 def _tenant_labelled() -> set[str]:
     """Sample names of the metrics that carry a ``tenant`` label (every store metric)."""
     counters = {e.name if e.name.endswith("_total") else e.name + "_total" for e in (*STORE_COUNTERS, *TIER_COUNTERS)}
-    return counters | {e.name for e in (*STORE_GAUGES, *TIER_GAUGES)}
+    return counters | {e.name for e in (*STORE_GAUGES, *TIER_GAUGES)} | set(REMOTE_METRIC_NAMES)
 
 
 def _nodes(node: Any) -> list[dict[str, Any]]:

@@ -48,6 +48,18 @@ def remote_tier_row(link: RemoteLink) -> dict[str, Any]:
             "evictions": 0, "demotions": 0, "remote": remote_view(link)}
 
 
+REMOTE_METRIC_NAMES: tuple[str, ...] = (
+    "kvtier_remote_bytes_total", "kvtier_remote_blocks_total", "kvtier_remote_misses_total",
+    "kvtier_remote_put_failures_total", "kvtier_remote_deleted_total", "kvtier_remote_breaker_opens_total",
+    "kvtier_remote_skipped_calls_total", "kvtier_remote_lookup_keys_total", "kvtier_remote_lookup_hit_keys_total",
+    "kvtier_remote_fetched_blocks_total", "kvtier_remote_uploads_queued_total", "kvtier_remote_uploaded_blocks_total",
+    "kvtier_remote_upload_drops_total", "kvtier_remote_upload_drop_bytes_total", "kvtier_remote_upload_failures_total",
+    "kvtier_remote_errors_total", "kvtier_remote_bad_values_total", "kvtier_remote_breaker_state",
+    "kvtier_remote_upload_queue_bytes", "kvtier_remote_upload_queue_blocks", "kvtier_remote_fetch_seconds_bucket",
+    "kvtier_remote_fetch_seconds_count", "kvtier_remote_fetch_seconds_sum")
+"""Sample names of the remote tier's metrics (each labelled ``tenant``), exported only by stores that
+have a remote tier."""
+
 _ENGINE_COUNTERS = (
     ("misses", "kvtier_remote_misses", "Keys fetched from the remote tier that came back without a value."),
     ("put_failures", "kvtier_remote_put_failures", "Records the remote tier did not store (refused, timed "

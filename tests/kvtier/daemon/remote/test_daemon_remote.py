@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -24,6 +25,7 @@ import torch
 
 from kvtier.daemon.remote.backend import RemoteKey
 from kvtier.daemon.remote.redis_cluster import RedisClusterBlocks, RedisClusterSettings
+from kvtier.daemon.server.remote_views import REMOTE_METRIC_NAMES
 from kvtier.engine import Engine, SamplingParams
 from kvtier.engine.checkpoint import make_random_checkpoint
 from kvtier.engine.config import ModelConfig
@@ -352,6 +354,9 @@ def test_status_tiers_metrics_and_events_show_the_remote_tier(world: ManyHosts, 
         assert 'kvtier_remote_blocks_total{direction="up",tenant=""} 62.0' in metrics
         assert 'kvtier_remote_breaker_state{state="closed",tenant=""} 1.0' in metrics
         assert "kvtier_remote_fetch_seconds_bucket" in metrics and "kvtier_remote_upload_queue_bytes" in metrics
+        samples = set(re.findall(r"^(kvtier_remote_[a-z_]+)", metrics, re.M))
+        # What the dashboard may query is what is exported (errors and bad values only once there are some).
+        assert samples == set(REMOTE_METRIC_NAMES) - {"kvtier_remote_errors_total", "kvtier_remote_bad_values_total"}
         status = subprocess.run(world.client.argv(sys.executable, "-m", "kvtier", "status", "--rest", c.rest_url,
                                                   "--token-file", str(c.data_dir / "token")),
                                 cwd=ROOT, env=c.env, capture_output=True, text=True, timeout=120, check=True).stdout

@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvtier.daemon.server.collector import PAUSE_BUCKETS, CollectorPolicy
 from kvtier.daemon.server.metrics import (GPU_METRIC_NAMES, LATENCY_BUCKETS, STORE_COUNTERS, STORE_GAUGES,
                                    TIER_COUNTERS, TIER_GAUGES, Metrics)
+from kvtier.daemon.server.remote_views import REMOTE_METRIC_NAMES
 from kvtier.daemon.store.stats import StoreCounters, StoreGauges, TierCounters, TierGauges
 from tests.kvtier.daemon.server.restkit import SALT, TOKEN, open_ctx, put_tokens, tokens_for
 
@@ -183,7 +184,7 @@ async def test_dashboard_uses_only_exported_metrics(tmp_path):
         ctx.metrics.add_lookup_tokens(1, 1)
         body, _ = ctx.metrics.render()
     exported = {s.name for fam in text_string_to_metric_families(body.decode()) for s in fam.samples}
-    exported |= set(GPU_METRIC_NAMES)  # exported only where a GPU is
+    exported |= set(GPU_METRIC_NAMES) | set(REMOTE_METRIC_NAMES)  # only where a GPU / a remote tier is
     exprs = _dashboard_exprs()
     assert len(exprs) >= 10
     used = set()

@@ -20,6 +20,7 @@ from kvtier.commands.admin import register
 from kvtier.daemon.server.rest import create_rest_app
 from kvtier.daemon.store.disk import DiskTier
 from kvtier.daemon.store.types import make_key
+from tests.kvtier.commands.envkit import isolate_env
 from tests.kvtier.daemon.server.restkit import NS, NS_HEX, TOKEN, open_ctx, put_tokens, tokens_for
 from tests.kvtier.daemon.store.storekit import make_rec
 from tests.kvtier.daemon.store.test_disk_repair import damage
@@ -29,12 +30,7 @@ COMMANDS = ("status", "ls", "inspect", "lookup", "clear", "check")
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch, tmp_path):
-    """No KVTIER_* setting of the machine leaks in; the default data dir (token file) is private."""
-    for name in list(os.environ):
-        if name.startswith("KVTIER_"):
-            monkeypatch.delenv(name)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run"))
+    isolate_env(monkeypatch, tmp_path)
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import torch
 from kvtier.client import Client
 from kvtier.commands.admin import register
 from kvtier_protocol.namespace import Namespace
+from tests.kvtier.commands.envkit import isolate_env
 from tests.kvtier.conftest import KvtierDaemon
 
 NS = Namespace(model="restart/model", revision="r7", attention="mha", num_layers=2, num_kv_heads=2, head_dim=32,
@@ -22,11 +22,7 @@ NS = Namespace(model="restart/model", revision="r7", attention="mha", num_layers
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch, tmp_path):
-    """No KVTIER_* setting of the machine leaks into the commands."""
-    for name in list(os.environ):
-        if name.startswith("KVTIER_"):
-            monkeypatch.delenv(name)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    isolate_env(monkeypatch, tmp_path, runtime_dir=False)
 
 
 def kvtier(*argv: str) -> int:

@@ -22,6 +22,7 @@ from kvtier_protocol.errors import Unauthorized
 from kvtier.commands import serve
 from kvtier.commands.admin import register as register_admin
 from kvtier.daemon.config import load_config
+from tests.kvtier.commands.envkit import isolate_env
 from tests.kvtier.conftest import ROOT, KvtierDaemon
 
 GIB = 1 << 30
@@ -29,11 +30,7 @@ GIB = 1 << 30
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch, tmp_path):
-    for name in list(os.environ):
-        if name.startswith("KVTIER_"):
-            monkeypatch.delenv(name)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run"))
+    isolate_env(monkeypatch, tmp_path)
 
 
 def parse(*argv: str) -> argparse.Namespace:

@@ -34,6 +34,7 @@ from kvtier.daemon.server.events import EventHub
 from kvtier.daemon.server.metrics import Metrics
 from kvtier.daemon.store.config import StoreConfig
 from kvtier.daemon.store.store import TieredStore
+from tests.kvtier.conftest import KvtierDaemon
 from tests.kvtier.waitkit import PATIENCE_S
 
 TOKEN = "dataplane-test-token-0123456789"
@@ -245,3 +246,8 @@ async def eventually(predicate: Callable[[], bool], timeout: float = PATIENCE_S)
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached in time"
         await asyncio.sleep(0.01)
+
+
+def raw_tcp(daemon: KvtierDaemon) -> str:
+    """The daemon's TCP data plane as :meth:`RawClient.connect` takes it: ``"tcp:HOST:PORT"``."""
+    return "tcp:" + daemon.tcp_address().removeprefix("tcp://")

@@ -17,7 +17,7 @@ import pytest
 from kvtier_protocol import frames as fr
 
 from tests.kvtier.conftest import KvtierDaemon
-from tests.kvtier.daemon.server.planekit import NS, RawClient, make_recs
+from tests.kvtier.daemon.server.planekit import NS, RawClient, make_recs, raw_tcp
 
 TOKEN = "abuse-guards-token-0123456789abcdef"
 HELLO_TIMEOUT_S, MAX_UNAUTHENTICATED = 1.0, 4
@@ -38,10 +38,6 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KvtierDaemon]:
         yield d.start()
     finally:
         d.cleanup()
-
-
-def tcp(d: KvtierDaemon) -> str:
-    return "tcp:" + d.tcp_address().removeprefix("tcp://")
 
 
 def rest_port(d: KvtierDaemon) -> int:
@@ -92,7 +88,7 @@ def pinged(d: KvtierDaemon) -> None:
 
 def test_a_stranger_announcing_a_huge_payload_is_closed_without_memory(daemon: KvtierDaemon) -> None:
     before = rss_bytes(daemon)
-    strangers = [RawClient.connect(tcp(daemon)) for _ in range(MAX_UNAUTHENTICATED)]
+    strangers = [RawClient.connect(raw_tcp(daemon)) for _ in range(MAX_UNAUTHENTICATED)]
     try:
         for raw in strangers:
             raw.send_bytes(announce(BIG))
@@ -108,7 +104,7 @@ def test_a_stranger_announcing_a_huge_payload_is_closed_without_memory(daemon: K
 
 
 def test_payload_memory_grows_with_the_bytes_that_arrive(daemon: KvtierDaemon) -> None:
-    raw = RawClient.connect(tcp(daemon))
+    raw = RawClient.connect(raw_tcp(daemon))
     try:
         assert raw.hello(TOKEN)[0].header["ok"]
         before = rss_bytes(daemon)
@@ -123,11 +119,11 @@ def test_payload_memory_grows_with_the_bytes_that_arrive(daemon: KvtierDaemon) -
 
 
 def test_idle_strangers_neither_keep_places_nor_starve_the_unix_socket(daemon: KvtierDaemon) -> None:
-    idle = [socket.create_connection(tuple(tcp(daemon).removeprefix("tcp:").rsplit(":", 1))) for _ in
+    idle = [socket.create_connection(tuple(raw_tcp(daemon).removeprefix("tcp:").rsplit(":", 1))) for _ in
             range(MAX_UNAUTHENTICATED)]
     try:
         pinged(daemon)  # the daemon has accepted them all by now
-        extra = RawClient.connect(tcp(daemon))
+        extra = RawClient.connect(raw_tcp(daemon))
         try:
             assert error_code(extra.recv()) == "busy" and extra.recv() is None
         finally:
@@ -138,7 +134,7 @@ def test_idle_strangers_neither_keep_places_nor_starve_the_unix_socket(daemon: K
     finally:
         for sock in idle:
             sock.close()
-    raw = RawClient.connect(tcp(daemon))  # the places are free again
+    raw = RawClient.connect(raw_tcp(daemon))  # the places are free again
     try:
         assert raw.hello(TOKEN)[0].header["ok"]
     finally:

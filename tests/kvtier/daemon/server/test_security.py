@@ -20,7 +20,7 @@ import pytest
 from kvtier_protocol import frames as fr
 
 from tests.kvtier.conftest import ROOT, KvtierDaemon
-from tests.kvtier.daemon.server.planekit import NS, RawClient, make_recs
+from tests.kvtier.daemon.server.planekit import NS, RawClient, make_recs, raw_tcp
 
 TOKEN = "sEcReT-token-9f8e7d6c5b4a39281706"
 WRONG = ["sEcReT-token-9f8e7d6c5b4a3928170", TOKEN + "x", "not-the-token-1234567890"]
@@ -39,10 +39,6 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KvtierDaemon]:
         yield d.start()
     finally:
         d.cleanup()
-
-
-def tcp(d: KvtierDaemon) -> str:
-    return "tcp:" + d.tcp_address().removeprefix("tcp://")
 
 
 def rest(d: KvtierDaemon, method: str, path: str, body: object = None,
@@ -72,7 +68,7 @@ def test_tcp_needs_the_token(daemon: KvtierDaemon) -> None:
     cases = [("ping before hello", None, "ping"), ("no token", None, "hello")] + \
             [(f"wrong token {i}", w, "hello") for i, w in enumerate(WRONG)]
     for what, token, op in cases:
-        raw = RawClient.connect(tcp(daemon))
+        raw = RawClient.connect(raw_tcp(daemon))
         try:
             if op == "ping":
                 assert error_code(raw.call("ping")) == "unauthorized", what
@@ -82,7 +78,7 @@ def test_tcp_needs_the_token(daemon: KvtierDaemon) -> None:
                 assert error_code(raw.call("ping")) == "unauthorized", f"{what}: still refused after the hello"
         finally:
             raw.close()
-    raw = RawClient.connect(tcp(daemon))
+    raw = RawClient.connect(raw_tcp(daemon))
     try:
         frame, fds = raw.hello(TOKEN)
         assert frame.header["ok"] and frame.header["segments"] == [] and frame.header["fds"] == 0 and not fds, \
@@ -212,7 +208,7 @@ def test_connection_limit(daemon: KvtierDaemon) -> None:
 def test_secrets_stay_out_of_logs_rest_and_metrics(daemon: KvtierDaemon) -> None:
     recs = make_recs(2, seed=77)
     for token in (TOKEN, *WRONG):  # presented tokens, right or wrong, are never echoed
-        raw = RawClient.connect(tcp(daemon))
+        raw = RawClient.connect(raw_tcp(daemon))
         try:
             raw.hello(token)
             if token == TOKEN:

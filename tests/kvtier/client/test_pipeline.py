@@ -94,7 +94,10 @@ def test_a_connection_lost_mid_save_is_not_retried_and_mid_load_is(peer: Peer,
     peer.drop_on.add("commit")  # the first commit: the second reserve is already in flight
     with pytest.raises(ConnectionLost):
         _save_load(peer.unix_path, blocks, driver)
-    assert peer.ops["commit"] == 1, "a save whose commit was sent is never sent again"
+    # Never sent again = no second attempt, which would start on a new connection (a new hello).
+    # (The commits of later sub-batches may reach the peer on the same connection before it drops
+    # it: its read loop can take several pipelined frames before the first one's task runs.)
+    assert peer.ops["commit"] >= 1 and peer.ops["hello"] == 1, "a save whose commit was sent is never sent again"
     peer.drop_on.add("release")  # the first release of the load: the next acquire is in flight
     saved, loaded = _save_load(peer.unix_path, blocks, driver)
     assert saved == ["stored"] * 12 and loaded == [r for _, r in blocks], "the load was tried again"

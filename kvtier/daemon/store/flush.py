@@ -75,7 +75,7 @@ async def _write(mover: Mover, metas: list[BlockMeta]) -> int:
     good = []
     for meta, payload in zip(metas, payloads):
         if payload is None:
-            mover.counters.checksum_failures += 1  # a bad memory copy is never written down
+            mover.corrupt(meta, "memory copy (flush to disk)")  # a bad memory copy is never written down
         else:
             good.append((meta, payload))
     written = await mover.write_disk(good)

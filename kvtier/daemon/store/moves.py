@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -42,6 +43,8 @@ Payload = bytes | memoryview  # a verified payload copy: memoryviews are the dis
 MEMORY_TIERS = (Tier.GPU, Tier.HOST)
 
 
+log = logging.getLogger(__name__)
+
 class Mover:
     """Moves blocks between the GPU, host and disk tiers for :class:`~kvtier.daemon.store.store.TieredStore`."""
 
@@ -63,6 +66,12 @@ class Mover:
     async def run(self, fn: Callable[..., R], *args: Any) -> R:
         """Run blocking work (disk I/O, a large copy) on the I/O pool."""
         return await asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(fn, *args))
+
+    def corrupt(self, meta: BlockMeta, copy: str) -> None:
+        """Count and log a copy of ``meta`` that failed its checksum (``copy`` says which: the
+        caller drops it, and a read of it is a miss). Never expected: each one is worth a look."""
+        self.counters.checksum_failures += 1
+        log.warning("block %s: its %s failed the checksum; dropped", meta.chain_hash.hex(), copy)
 
     def emit(self, kind: EventKind, tier: Tier, meta: BlockMeta) -> None:
         """Announce a copy stored or removed. A host copy announced STORED has become visible
@@ -284,7 +293,7 @@ class Mover:
                 if self.remote is not None:  # write-through of a block committed into GPU memory
                     self.remote.offer(meta)
             else:
-                c.checksum_failures += 1  # the GPU copy is bad: drop it, never keep it below
+                self.corrupt(meta, "GPU copy (demotion to host)")  # drop it, never keep it below
                 self.free_copy(meta, Tier.HOST, announce=False)
 
     async def _demote_to_disk(self, metas: list[BlockMeta]) -> None:
@@ -315,7 +324,8 @@ class Mover:
         except StorageError:
             self.counters.storage_errors += 1
             return []
-        self.counters.checksum_failures += stored.count(False)  # a bad host copy: never written down
+        for meta in (m for m, ok in zip(batch, stored) if not ok):
+            self.corrupt(meta, "host copy (demotion to disk)")  # a bad host copy is never written down
         written = [m for m, ok in zip(batch, stored) if ok]
         self._placed_on_disk(written, announce=True)
         return written

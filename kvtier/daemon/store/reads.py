@@ -212,7 +212,8 @@ class BlockReader:
         mover.free_copy(meta, Tier.HOST, announce=False)
         if result == "error":
             return  # the disk could not be read now: keep the record, serve a miss
-        c.checksum_failures += result == "corrupt"
+        if result == "corrupt":
+            mover.corrupt(meta, "GPU copy (promotion to host)" if from_gpu else "disk record (promotion to host)")
         if from_gpu:
             if meta.leases <= 1:  # ours only: no other reader is copying out of the bad slot
                 mover.free_copy(meta, Tier.GPU)

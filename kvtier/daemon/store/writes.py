@@ -137,7 +137,7 @@ class BlockWriter:
         committed: list[tuple[BlockMeta, bytes]] = []
         for (_, meta, buf, h), payload in zip(todo, payloads):
             if payload is None:
-                self.counters.checksum_failures += 1
+                self.mover.corrupt(meta, "committed copy (verified on commit)")
                 continue
             self.index.commit(meta, bytes(buf), h.parent_hash, h.num_tokens, h.checksum, now)
             if meta.host_slot is not None:

@@ -40,6 +40,7 @@ class Figures:
     exit_status: int | None = None
     shm_left: list[str] = field(default_factory=list)
     log_errors: list[str] = field(default_factory=list)
+    log_checksums: list[str] = field(default_factory=list)  # the daemon's word on each checksum failure
 
     def kind(self, op: str) -> dict[str, Any]:
         """One operation's statistics, summed over the worker processes."""
@@ -108,7 +109,7 @@ class Figures:
             secs = self.sampler.seconds
             lines.append(f"per-second (host evictions, disk evictions, commits): {secs}")
             lines += [f"sampler error: {e}" for e in self.sampler.errors]
-        lines += [f"daemon log: {ln[:300]}" for ln in self.log_errors[:5]]
+        lines += [f"daemon log: {ln[:300]}" for ln in self.log_errors[:5] + self.log_checksums[:5]]
         return lines
 
 

@@ -233,6 +233,7 @@ class Run:
         log = self.daemon.log_path.read_text(errors="replace")
         self.fig.log_errors = [ln for ln in log.splitlines() if " ERROR " in ln or " CRITICAL " in ln
                                or ln.startswith("Traceback")]
+        self.fig.log_checksums = [ln for ln in log.splitlines() if "checksum" in ln and " WARNING " in ln]
 
     def _spawn(self, i: int) -> subprocess.Popen[bytes]:
         plan, daemon = self.plan, self.daemon

@@ -143,16 +143,22 @@ class CommitScrubber:
             self.index.mark_host_checked(meta)
             self.checked += 1
             return
-        self.counters.checksum_failures += 1
-        self.dropped += 1
-        log.warning("block %s: host payload does not match its checksum; deleted", meta.chain_hash.hex())
         async with self.mutex:
-            if meta.linked and self.index.get(meta.key) is meta:
-                await self.mover.remove([meta])
+            # Nothing moves a block while the mutex is held: is it still the copy that was hashed?
+            if not (_eligible(meta) and meta.host_slot == slot and self.index.get(meta.key) is meta):
+                return
+            self.counters.checksum_failures += 1
+            self.dropped += 1
+            log.warning("block %s: host payload does not match its checksum; deleted", meta.chain_hash.hex())
+            await self.mover.remove([meta])
 
 
 def _eligible(meta: BlockMeta) -> bool:
-    return meta.linked and meta.committed and meta.host_slot is not None and not meta.host_checked
+    # A block in a move is not read: its host copy may be one a promotion (or a copy down from
+    # GPU) is still filling, and every move verifies the copy it makes (or frees the copy it
+    # takes away). A block evicted after it was queued and promoted back is such a copy.
+    return (meta.linked and meta.committed and meta.host_slot is not None and not meta.host_checked
+            and not meta.moving)
 
 
 def _digest(view: memoryview) -> int:

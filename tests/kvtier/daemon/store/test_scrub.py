@@ -3,7 +3,7 @@ does not match its checksum is deleted and counted, never reported checked."""
 
 from __future__ import annotations
 
-from kvtier.daemon.store.types import Tier
+from kvtier.daemon.store.types import Tier, make_key
 from tests.kvtier.daemon.store.storekit import BLOCK, NS, get, make_rec, put
 
 
@@ -46,6 +46,24 @@ async def test_a_payload_that_does_not_match_its_header_is_deleted_not_checked(o
     assert store.lookup(NS, [recs[2].chain_hash]).num_hits == 1  # the good one after it stays
     assert await checked_flags(store, recs) == [True]
     assert store.index.accounting_errors() == []
+
+
+async def test_a_copy_a_move_is_still_filling_is_not_judged(open_store):
+    # A committed block queued for the scrub, evicted and being promoted back when the scrub gets
+    # to it: its host slot holds a partial copy (here: other bytes) while the block is in a move.
+    # The move verifies what it copies; the scrub must not count or delete it (a soak saw both).
+    store = await open_store()
+    rec = make_rec(0)
+    assert await put(store, [rec]) == [True]  # queued; the scrub waits for commits to pause
+    meta = store.index.get(make_key(NS, rec.chain_hash))
+    view = store.host.view(meta.host_slot)
+    store.index.set_moving(meta, True)
+    view[:] = bytes(len(view))  # the promotion's copy, not yet complete
+    await store.drain_scrub()
+    view[:] = rec.payload  # the copy completes
+    store.index.set_moving(meta, False)
+    assert store.counters.checksum_failures == 0
+    assert await get(store, NS, [rec.chain_hash]) == [(rec.header, rec.payload)]
 
 
 async def test_without_scrub_commits_nothing_is_reported_checked(open_store):

@@ -25,6 +25,11 @@ Rows (events/s, higher is better), per geometry:
   * ``decode only``: :func:`decode_batch` of every batch in this process, next to
     ``msgpack.unpackb`` of the same bytes: how close the checked decoder is to msgpack itself.
 
+Each geometry is measured again in kvtier's packed form (SPEC.md §9.8, the hub's opt-in
+``packed_endpoint``: token ids as little-endian u32 bins, decoded with ``decode_batch(...,
+packed=True)`` into arrays), a separate case with the same three rows against raw pyzmq and
+msgpack on the packed bytes. The vLLM-compatible rows above are what llm-d and vLLM consumers get.
+
 And one case of ``publish`` call latency (ms, p99 and slowest of :data:`STUCK_PUBLISHES` calls of
 500 events, PUB high-water mark 1) beside a subscriber that joined and never reads, next to the
 same calls with nobody subscribed: ``publish`` only queues for the sender thread, and PUB drops
@@ -44,8 +49,8 @@ from multiprocessing.connection import Connection
 import msgpack
 import zmq
 
-from kvtier.bench.report import (Row, Samples, SuiteResult, Timer, alternate, latency_row, progress, quantile,
-                                 throughput_row)
+from kvtier.bench.report import (Row, Samples, SuiteResult, Timer, alternate_many, latency_row,
+                                 progress, quantile, throughput_row)
 from kvtier.daemon.config import EventsConfig
 from kvtier.daemon.server.event_translate import BlockTokens, EventTranslator
 from kvtier.daemon.server.events import EventHub
@@ -83,12 +88,15 @@ def run(args: argparse.Namespace) -> SuiteResult:
     # A short replay buffer: appending costs the same at any length, and the daemon's default
     # (10000 batches) would keep every 2.4 MB batch of the run alive.
     hub = EventHub(EventsConfig(endpoint="tcp://127.0.0.1:*", topic=TOPIC, buffer_steps=64))
+    # The packed form on a hub of its own: publishing it costs no vLLM-form encoding.
+    packed_hub = EventHub(EventsConfig(endpoint=None, topic=TOPIC, buffer_steps=64),
+                          packed_endpoint="tcp://127.0.0.1:*")
     zctx = zmq.Context()
     raw = zctx.socket(zmq.PUB)
     raw.setsockopt(zmq.SNDHWM, EventsConfig().hwm)
     raw.setsockopt(zmq.LINGER, 0)
     raw.bind("tcp://127.0.0.1:*")
-    sub = ctx.Process(target=_subscriber, args=(child, {"kvtier": hub.start()[0],
+    sub = ctx.Process(target=_subscriber, args=(child, {"kvtier": hub.start()[0], "packed": packed_hub.start()[0],
                                                         "raw": raw.getsockopt_string(zmq.LAST_ENDPOINT)}),
                       name="kvtier-bench-events-sub", daemon=True)
     sub.start()
@@ -98,7 +106,7 @@ def run(args: argparse.Namespace) -> SuiteResult:
             work = Workload.make(block_tokens, hash_tokens, total, batch, args.chain)
             progress(f"events: {block_tokens}-token blocks, {work.units} hashes each: {work.events} events "
                      f"in {len(work.publishes)} publishes of {batch}, {reps} repetitions")
-            result.rows += _rows(work, hub, raw, parent, reps)
+            result.rows += _rows(work, hub, packed_hub, raw, parent, reps)
         result.rows += _stuck_rows(zctx, reps)
     finally:
         parent.send(("stop",))
@@ -106,6 +114,7 @@ def run(args: argparse.Namespace) -> SuiteResult:
         if sub.is_alive():
             sub.kill()
         hub.close()
+        packed_hub.close()
         raw.close()
         zctx.term()
     return result
@@ -124,6 +133,7 @@ class Workload:
     notes: list[list[BlockTokens]]  # per publish: blocks to note first (empty for removals)
     publishes: list[list[StoreEvent]]
     batches: list[bytes]  # each publish's batch as the hub encodes it (the raw baseline's messages)
+    packed_batches: list[bytes]  # the same in the packed form (SPEC.md §9.8)
 
     @classmethod
     def make(cls, block_tokens: int, hash_tokens: int, total: int, batch: int, chain: int) -> Workload:
@@ -145,8 +155,8 @@ class Workload:
             notes += [noted, []]
             publishes += [stored, [StoreEvent(EventKind.REMOVED, e.tier, e.ns_id, e.chain_hash, e.parent_hash,
                                               e.num_tokens) for e in stored]]
-        batches = _encoded(ns, notes, publishes)
-        return cls(ns, units, sum(map(len, publishes)), notes, publishes, batches)
+        batches, packed = _encoded(ns, notes, publishes)
+        return cls(ns, units, sum(map(len, publishes)), notes, publishes, batches, packed)
 
 
 def _digest(block: int, unit: int) -> bytes:
@@ -154,67 +164,88 @@ def _digest(block: int, unit: int) -> bytes:
                            digest_size=32).digest()
 
 
-def _encoded(ns: Namespace, notes: list[list[BlockTokens]], publishes: list[list[StoreEvent]]) -> list[bytes]:
-    """What the hub will put on the wire for each publish (same translation, merge and encoding)."""
+def _encoded(ns: Namespace, notes: list[list[BlockTokens]], publishes: list[list[StoreEvent]]
+             ) -> tuple[list[bytes], list[bytes]]:
+    """What the hub will put on the wire for each publish (same translation, merge and encoding),
+    in the vLLM form and in the packed form."""
     translator = EventTranslator()
-    out = []
+    out: list[bytes] = []
+    packed: list[bytes] = []
     for noted, events in zip(notes, publishes):
         translator.note_blocks(ns.ns_id, noted)
-        out.append(encode_wire_batch(time.time(), translator.translate_wire(events, {ns.ns_id: ns}), 0))
-    return out
+        runs = translator.translate_runs(events, {ns.ns_id: ns})
+        ts = time.time()
+        out.append(encode_wire_batch(ts, [r.wire() for r in runs], 0))
+        packed.append(encode_wire_batch(ts, [r.packed() for r in runs], 0))
+    return out, packed
 
 
 # --- measuring ---------------------------------------------------------------------------------
 
 
-def _rows(work: Workload, hub: EventHub, raw: zmq.Socket, conn: Connection, reps: int) -> list[Row]:
-    _probe(conn, "kvtier", lambda: hub.publish([StoreEvent(EventKind.STORED, Tier.GPU, work.ns.ns_id,
-                                                           bytes(32), None, 0)], {}))
+def _rows(work: Workload, hub: EventHub, packed_hub: EventHub, raw: zmq.Socket, conn: Connection,
+          reps: int) -> list[Row]:
+    for name, h in (("kvtier", hub), ("packed", packed_hub)):
+        _probe(conn, name, lambda h=h: h.publish([StoreEvent(EventKind.STORED, Tier.GPU, work.ns.ns_id,
+                                                             bytes(32), None, 0)], {}))
     _probe(conn, "raw", lambda: raw.send_multipart([TOPIC.encode(), PROBE_SEQ, b"probe"]))
-    payloads = work.batches
-    published: dict[str, list[float]] = {"kvtier": [], "raw": []}
-    received: dict[str, list[float]] = {"kvtier": [], "raw": []}
+    published: dict[str, list[float]] = {"kvtier": [], "raw": [], "packed": [], "raw packed": []}
+    received: dict[str, list[float]] = {"kvtier": [], "raw": [], "packed": [], "raw packed": []}
     namespaces = {work.ns.ns_id: work.ns}
-    stats = hub.zmq_stats
-    assert stats is not None, "the hub was made with an endpoint"
 
-    def kvtier() -> float:
-        conn.send(("measure", "kvtier", work.events * work.units))
-        _expect(conn, "armed", 30.0)
-        sent_before = stats.batches_sent
-        start = time.monotonic()
-        for noted, events in zip(work.notes, work.publishes):
-            if noted:
-                hub.note_blocks(work.ns.ns_id, noted)
-            hub.publish(events, namespaces)
-        while stats.batches_sent - sent_before < len(work.publishes):
-            if time.monotonic() - start > 300:
-                raise RuntimeError("events: the hub's sender thread did not send every batch within 300 s")
-            time.sleep(0.0005)
-        pub_s = time.monotonic() - start
-        return _record(conn, "kvtier", start, pub_s, work.events, work.events * work.units, published, received)
+    def through(name: str, h: EventHub) -> Callable[[], float]:
+        stats = h.zmq_stats if name == "kvtier" else h.packed_stats
+        assert stats is not None, "the hub was made with that endpoint"
 
-    def baseline() -> float:
-        conn.send(("measure", "raw", len(payloads)))
-        _expect(conn, "armed", 30.0)
-        topic = TOPIC.encode()
-        start = time.monotonic()
-        for seq, payload in enumerate(payloads):
-            raw.send_multipart([topic, seq.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK, copy=False)
-        pub_s = time.monotonic() - start
-        return _record(conn, "raw", start, pub_s, work.events, len(payloads), published, received)
+        def once() -> float:
+            conn.send(("measure", name, work.events * work.units))
+            _expect(conn, "armed", 30.0)
+            sent_before = stats.batches_sent
+            start = time.monotonic()
+            for noted, events in zip(work.notes, work.publishes):
+                if noted:
+                    h.note_blocks(work.ns.ns_id, noted)
+                h.publish(events, namespaces)
+            while stats.batches_sent - sent_before < len(work.publishes):
+                if time.monotonic() - start > 300:
+                    raise RuntimeError("events: the hub's sender thread did not send every batch within 300 s")
+                time.sleep(0.0005)
+            pub_s = time.monotonic() - start
+            return _record(conn, name, start, pub_s, work.events, work.events * work.units, published, received)
+        return once
 
-    alternate(kvtier, baseline, repetitions=reps)
+    def baseline(key: str, payloads: list[bytes]) -> Callable[[], float]:
+        def once() -> float:
+            conn.send(("measure", "raw", len(payloads)))
+            _expect(conn, "armed", 30.0)
+            topic = TOPIC.encode()
+            start = time.monotonic()
+            for seq, payload in enumerate(payloads):
+                raw.send_multipart([topic, seq.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK, copy=False)
+            pub_s = time.monotonic() - start
+            return _record(conn, key, start, pub_s, work.events, len(payloads), published, received)
+        return once
+
+    alternate_many([through("kvtier", hub), baseline("raw", work.batches), through("packed", packed_hub),
+                    baseline("raw packed", work.packed_batches)], repetitions=reps)
     case = f"{work.ns.block_tokens}-token blocks ({work.units} hashes), {len(work.publishes[0])} per publish"
+    packed_case = f"{case}, packed token ids (SPEC 9.8)"
     progress(f"events: {case}: decode_batch vs msgpack.unpackb of the same batches, in process")
-    decoded, unpacked = alternate(_decoder(work, decode_batch), _decoder(work, _unpack), repetitions=reps)
-    return [
-        throughput_row(case, "published", "events/s", Samples(published["kvtier"][1:]),
-                       "raw pyzmq PUB, same bytes", Samples(published["raw"][1:])),
-        throughput_row(case, "received + decoded", "events/s", Samples(received["kvtier"][1:]),
-                       "raw pyzmq PUB/SUB, same bytes", Samples(received["raw"][1:])),
-        throughput_row(case, "decode only", "events/s", decoded, "msgpack.unpackb, same bytes", unpacked),
-    ]
+    decoded, unpacked, p_decoded, p_unpacked = alternate_many(
+        [_decoder(work.batches, work.events, decode_batch), _decoder(work.batches, work.events, _unpack),
+         _decoder(work.packed_batches, work.events, _decode_packed),
+         _decoder(work.packed_batches, work.events, _unpack)], repetitions=reps)
+    rows = []
+    for c, k, r, dec, unp in ((case, "kvtier", "raw", decoded, unpacked),
+                              (packed_case, "packed", "raw packed", p_decoded, p_unpacked)):
+        rows += [
+            throughput_row(c, "published", "events/s", Samples(published[k][1:]),
+                           "raw pyzmq PUB, same bytes", Samples(published[r][1:])),
+            throughput_row(c, "received + decoded", "events/s", Samples(received[k][1:]),
+                           "raw pyzmq PUB/SUB, same bytes", Samples(received[r][1:])),
+            throughput_row(c, "decode only", "events/s", dec, "msgpack.unpackb, same bytes", unp),
+        ]
+    return rows
 
 
 def _stuck_rows(zctx: zmq.Context, reps: int) -> list[Row]:
@@ -266,18 +297,23 @@ def _unpack(buf: bytes) -> object:
     return msgpack.unpackb(buf, raw=False)
 
 
-def _decoder(work: Workload, decode: Callable[[bytes], object]) -> Callable[[], float]:
+def _decode_packed(buf: bytes) -> object:
+    return decode_batch(buf, packed=True)
+
+
+def _decoder(batches: list[bytes], events: int, decode: Callable[[bytes], object]) -> Callable[[], float]:
     def once() -> float:
         with Timer() as t:
-            for buf in work.batches:
+            for buf in batches:
                 decode(buf)
-        return work.events / t.seconds
+        return events / t.seconds
     return once
 
 
 def _record(conn: Connection, kind: str, start: float, pub_s: float, events: int, expected: int,
             published: dict[str, list[float]], received: dict[str, list[float]]) -> float:
-    """Store the published and received rates of one measurement (the first is alternate()'s
+    # kind: the measurement's key in published / received
+    """Store the published and received rates of one measurement (the first is alternate_many()'s
     warm-up); raise if the subscriber missed anything."""
     reply = conn.recv()
     got, last, errors = reply[1], reply[2], reply[3]
@@ -337,7 +373,10 @@ def _subscriber(conn: Connection, endpoints: dict[str, str]) -> None:
                 conn.send("ready")
             elif cmd[0] == "measure":
                 conn.send("armed")
-                got, last, errors = (_count_events if cmd[1] == "kvtier" else _count_raw)(sock, cmd[2])
+                if cmd[1] == "raw":
+                    got, last, errors = _count_raw(sock, cmd[2])
+                else:
+                    got, last, errors = _count_events(sock, cmd[2], packed=cmd[1] == "packed")
                 conn.send(("done", got, last, errors))
     finally:
         for s in socks.values():
@@ -353,14 +392,15 @@ def _drain(sock: zmq.Socket) -> None:
             return
 
 
-def _count_events(sock: zmq.Socket, expected: int) -> tuple[int, float, int]:
-    """Decode batches until ``expected`` block hashes of the workload (CPU medium) have arrived."""
+def _count_events(sock: zmq.Socket, expected: int, packed: bool) -> tuple[int, float, int]:
+    """Decode batches until ``expected`` block hashes of the workload (CPU medium) have arrived
+    (``packed``: the packed publisher's batches, SPEC.md §9.8)."""
     got = errors = 0
     last = time.monotonic()
     while got < expected and sock.poll(IDLE_TIMEOUT_S * 1000):
         frames = sock.recv_multipart(copy=True)
         try:
-            batch = decode_batch(frames[2])
+            batch = decode_batch(frames[2], packed=packed)
         except KVTierError:  # the decoder's only errors; counted, and the parent fails the run
             errors += 1
             continue

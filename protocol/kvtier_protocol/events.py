@@ -9,11 +9,20 @@ June 2026, llm-d-kv-cache before v0.9) is an array ``["BlockStored", field, ...]
 order with trailing None optional fields dropped. :func:`decode_batch` accepts both, and
 SGLang's batches too (keys it does not know are ignored). The ZMQ framing lives in
 :mod:`kvtier_protocol.event_transport` and is re-exported here. Torch-free.
+
+The **packed form** (SPEC.md §9.8, kvtier's own, opt-in) is the map form with ``token_ids`` and
+``lookahead_token_ids`` as a msgpack bin of little-endian u32s: no Python int per token id on
+either side. vLLM and llm-d cannot read it, so a publisher sends it only where a subscriber asked
+for it (its own endpoint), and :func:`decode_batch` accepts it only with ``packed=True``, giving
+those fields as an ``array('I')``.
 """
 
 from __future__ import annotations
 
 import math
+import sys
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, TypeAlias
 
@@ -30,9 +39,10 @@ __all__ = [
     "DEFAULT_EVENT_LIMITS", "EVENT_TYPES", "MEDIUM_BY_TIER", "MEDIUM_CPU", "MEDIUM_GPU",
     "MEDIUM_REMOTE", "MEDIUM_STORAGE", "REPLAY_END_SEQ", "AllBlocksCleared", "BlockRemoved",
     "BlockStored", "Event", "EventBatch", "EventHash", "EventLimits", "LiveMessage",
-    "decode_batch", "decode_event", "encode_batch", "encode_wire_batch", "event_to_wire", "live_message",
-    "make_topic", "parse_live_message", "parse_replay_reply", "parse_replay_request",
-    "parse_topic", "removed_wire", "replay_end", "replay_reply", "replay_request", "stored_wire",
+    "TokenIds", "decode_batch", "decode_event", "encode_batch", "encode_wire_batch", "event_to_wire",
+    "live_message", "make_topic", "pack_token_ids", "parse_live_message", "parse_replay_reply",
+    "parse_replay_request", "parse_topic", "removed_wire", "replay_end", "replay_reply",
+    "replay_request", "stored_wire", "unpack_token_ids",
 ]
 
 MEDIUM_GPU, MEDIUM_CPU, MEDIUM_STORAGE, MEDIUM_REMOTE = "GPU", "CPU", "STORAGE", "REMOTE"
@@ -44,7 +54,14 @@ EventHash: TypeAlias = int | bytes
 """A block hash as events carry it: u64 (vLLM's last-8-bytes form; SGLang sends signed i64)
 or the raw digest."""
 
+TokenIds: TypeAlias = "tuple[int, ...] | array"
+"""Token ids of a decoded event: a tuple from the vLLM forms, an ``array('I')`` from a packed
+bin (:func:`unpack_token_ids`). Both are sequences of int; compare them as lists."""
+
 _HASH_MIN, _HASH_MAX = -(1 << 63), (1 << 64) - 1
+_U32 = "I"  # array typecode of the packed form's elements (4 bytes on every CPython platform)
+assert array(_U32).itemsize == 4, "array('I') is 4 bytes wide"
+_SWAP = sys.byteorder != "little"  # the packed form is little-endian
 _MAX_HASH_BYTES = 64
 _MAX_EXTRA_DEPTH = 8
 
@@ -71,7 +88,7 @@ class BlockStored:
 
     block_hashes: tuple[EventHash, ...]
     parent_block_hash: EventHash | None
-    token_ids: tuple[int, ...]
+    token_ids: TokenIds
     block_size: int
     lora_id: int | None = None
     medium: str | None = None
@@ -83,7 +100,7 @@ class BlockStored:
     locality: str | None = None  # "LOCAL" / "REMOTE" relative to the publisher
     ownership: str | None = None
     session_id: str | None = None
-    lookahead_token_ids: tuple[int, ...] | None = None
+    lookahead_token_ids: TokenIds | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,12 +151,61 @@ def _wire(value: Any) -> Any:
 _FLAT = frozenset({"block_hashes", "token_ids", "lookahead_token_ids"})
 """Fields that are flat tuples of scalars: one C-level ``list()`` instead of a call per element
 (a BlockStored of 256-token blocks carries thousands of token ids)."""
+_TOKEN_FIELDS = frozenset({"token_ids", "lookahead_token_ids"})
+"""The fields that the packed form (SPEC.md §9.8) writes as a bin of little-endian u32s."""
 
 
-def event_to_wire(event: Event, legacy: bool = False) -> dict[str, Any] | list[Any]:
-    """The msgpack-ready form of one event: a ``"type"``-tagged map, or the legacy array."""
+def pack_token_ids(ids: Sequence[int]) -> bytes | None:
+    """Token ids as the packed form's bin: little-endian u32s, 4 bytes each (SPEC.md §9.8).
+
+    Returns:
+        None when an id is not in [0, 2**32) (or not an int): the event then keeps the array
+        form, which a packed decoder accepts too.
+    """
+    if isinstance(ids, array) and ids.typecode == _U32:
+        packed = ids
+    else:
+        try:
+            packed = array(_U32, ids)
+        except (OverflowError, TypeError):
+            return None
+    if _SWAP:
+        packed = array(_U32, packed)
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack_token_ids(name: str, value: bytes, limits: EventLimits) -> array:
+    """The ``array('I')`` of a packed bin (SPEC.md §9.8).
+
+    Raises:
+        EventError: a length that is not a multiple of 4. LimitExceeded: more ids than
+            ``limits.max_list_len``.
+    """
+    if len(value) % 4:
+        raise EventError(f"{name}: packed token ids are 4 bytes each, got {len(value)} bytes")
+    if len(value) // 4 > limits.max_list_len:
+        raise LimitExceeded(f"{name} has {len(value) // 4} entries, limit {limits.max_list_len}")
+    out = array(_U32)
+    out.frombytes(value)
+    if _SWAP:
+        out.byteswap()
+    return out
+
+
+def _ids_wire(value: Sequence[int], packed: bool) -> list[int] | bytes:
+    if packed and (raw := pack_token_ids(value)) is not None:
+        return raw
+    return list(value)
+
+
+def event_to_wire(event: Event, legacy: bool = False, packed: bool = False) -> dict[str, Any] | list[Any]:
+    """The msgpack-ready form of one event: a ``"type"``-tagged map, or the legacy array;
+    ``packed``: the map with token ids as bins (SPEC.md §9.8)."""
     if type(event).__name__ not in EVENT_TYPES:
         raise EventError(f"not a KV event: {type(event).__name__}")
+    if legacy and packed:
+        raise EventError("the packed form is a map form; it has no legacy array variant")
     values = [(f.name, getattr(event, f.name)) for f in fields(event)]
     if legacy:
         out: list[Any] = [type(event).__name__,
@@ -150,16 +216,23 @@ def event_to_wire(event: Event, legacy: bool = False) -> dict[str, Any] | list[A
     tagged: dict[str, Any] = {"type": type(event).__name__}
     for i, (name, value) in enumerate(values):
         if i < event.REQUIRED or value is not None:
-            tagged[name] = list(value) if name in _FLAT and value is not None else _wire(value)
+            if value is None or name not in _FLAT:
+                tagged[name] = _wire(value)
+            elif name in _TOKEN_FIELDS:
+                tagged[name] = _ids_wire(value, packed)
+            else:
+                tagged[name] = list(value)
     return tagged
 
 
-def stored_wire(block_hashes: list[EventHash], parent_block_hash: EventHash | None, token_ids: list[int],
+def stored_wire(block_hashes: list[EventHash], parent_block_hash: EventHash | None, token_ids: list[int] | bytes,
                 block_size: int, medium: str | None, group_idx: int | None, kv_cache_spec_kind: str | None,
                 legacy: bool = False) -> dict[str, Any] | list[Any]:
     """``event_to_wire(BlockStored(...))`` of a publisher's BlockStored (the fields a publisher
     fills; the others None) built directly from lists, without an event object: the daemon's
-    publish path makes one per run of blocks, ~10^5 per second."""
+    publish path makes one per run of blocks, ~10^5 per second. ``token_ids`` as bytes (from
+    :func:`pack_token_ids`) gives the packed form's event (SPEC.md §9.8; map form only)."""
+    assert not (legacy and isinstance(token_ids, bytes)), "the packed form is a map form"
     if legacy:
         out: list[Any] = ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, None,
                           medium, None, None, group_idx, kv_cache_spec_kind]
@@ -195,9 +268,10 @@ def encode_wire_batch(ts: float, events: list[Any], data_parallel_rank: int | No
     return msgpack.packb(wire, use_bin_type=True)
 
 
-def encode_batch(batch: EventBatch, legacy: bool = False) -> bytes:
-    """Encode a batch exactly as vLLM 0.33's msgspec encoder does (``legacy``: array events)."""
-    return encode_wire_batch(batch.ts, [event_to_wire(e, legacy) for e in batch.events],
+def encode_batch(batch: EventBatch, legacy: bool = False, packed: bool = False) -> bytes:
+    """Encode a batch exactly as vLLM 0.33's msgspec encoder does (``legacy``: array events),
+    or in kvtier's packed form (``packed``, SPEC.md §9.8: token ids as bins)."""
+    return encode_wire_batch(batch.ts, [event_to_wire(e, legacy, packed) for e in batch.events],
                              batch.data_parallel_rank)
 
 
@@ -305,7 +379,7 @@ _FIELD_CHECKS: dict[str, Any] = {
 }
 
 
-def _build(cls: type, named: dict[str, Any], limits: EventLimits) -> Event:
+def _build(cls: type, named: dict[str, Any], limits: EventLimits, packed: bool) -> Event:
     kwargs = {}
     for f in fields(cls):
         value = named.get(f.name)
@@ -314,14 +388,17 @@ def _build(cls: type, named: dict[str, Any], limits: EventLimits) -> Event:
                 raise EventError(f"{cls.__name__} lacks {f.name!r}")
             kwargs[f.name] = None
             continue
+        if packed and type(value) is bytes and f.name in _TOKEN_FIELDS:
+            kwargs[f.name] = unpack_token_ids(f"{cls.__name__}.{f.name}", value, limits)
+            continue
         check = _FIELD_CHECKS.get(f.name, lambda n, v, lim: _str(n, v))
         kwargs[f.name] = check(f"{cls.__name__}.{f.name}", value, limits)
     return cls(**kwargs)
 
 
-def decode_event(wire: Any, limits: EventLimits = DEFAULT_EVENT_LIMITS) -> Event:
+def decode_event(wire: Any, limits: EventLimits = DEFAULT_EVENT_LIMITS, packed: bool = False) -> Event:
     """Decode one event from its map or legacy array form (keys or trailing fields it does not
-    know are ignored)."""
+    know are ignored); ``packed``: token ids may also be packed bins (SPEC.md §9.8)."""
     if isinstance(wire, dict):
         tag, named = wire.get("type"), wire
     elif isinstance(wire, list) and wire:
@@ -334,12 +411,16 @@ def decode_event(wire: Any, limits: EventLimits = DEFAULT_EVENT_LIMITS) -> Event
     cls = EVENT_TYPES.get(tag) if isinstance(tag, str) else None
     if cls is None:
         raise EventError(f"unknown event type {tag!r}")
-    return _build(cls, named, limits)
+    return _build(cls, named, limits, packed)
 
 
 def decode_batch(buf: bytes | bytearray | memoryview,
-                 limits: EventLimits = DEFAULT_EVENT_LIMITS) -> EventBatch:
+                 limits: EventLimits = DEFAULT_EVENT_LIMITS, *, packed: bool = False) -> EventBatch:
     """Decode an event batch in the map or legacy encoding (or a mix).
+
+    ``packed`` (kvtier's subscribers of a packed publisher, SPEC.md §9.8): ``token_ids`` and
+    ``lookahead_token_ids`` may also be bins of little-endian u32s, decoded to ``array('I')``
+    without a Python int per id. Without it a bin there is ``bad_event``, as for vLLM.
 
     Raises:
         LimitExceeded: ``buf`` or one of its arrays is larger than ``limits``.
@@ -364,4 +445,4 @@ def decode_batch(buf: bytes | bytearray | memoryview,
     rank = wire[2] if len(wire) == 3 else None
     if rank is not None and type(rank) is not int:
         raise EventError("data_parallel_rank must be an integer or nil")
-    return EventBatch(float(ts), tuple(decode_event(e, limits) for e in events), rank)
+    return EventBatch(float(ts), tuple(decode_event(e, limits, packed) for e in events), rank)

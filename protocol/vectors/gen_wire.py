@@ -179,28 +179,47 @@ FULL_BATCH = ev.EventBatch(1764460801.0, (
                     ownership="kvtier"),
 ), None)
 
-EVENT_BATCHES: list[tuple[str, str, ev.EventBatch, bool]] = [
-    ("map_example", "engine-interfaces.md §4.2 example, map encoding", SECTION_4_2, False),
-    ("legacy_example", "the same batch in the legacy array encoding", SECTION_4_2, True),
+WIDE_ID_BATCH = ev.EventBatch(1764460802.5, (
+    ev.BlockStored(block_hashes=(5,), parent_block_hash=None, token_ids=(1, 1 << 32, 3, 4), block_size=4,
+                   lora_id=None, medium="CPU", lora_name=None, group_idx=0, kv_cache_spec_kind="full_attention"),
+    ev.BlockStored(block_hashes=(6,), parent_block_hash=5, token_ids=(0xFFFFFFFF, 0, 0x01020304, 127),
+                   block_size=4, lora_id=None, medium="CPU", lora_name=None, group_idx=0,
+                   kv_cache_spec_kind="full_attention"),
+), 0)
+"""The packed form (SPEC §9.8) of a batch whose first event has an id above 32 bits."""
+
+EVENT_BATCHES: list[tuple[str, str, ev.EventBatch, str]] = [
+    ("map_example", "engine-interfaces.md §4.2 example, map encoding", SECTION_4_2, "map"),
+    ("legacy_example", "the same batch in the legacy array encoding", SECTION_4_2, "legacy"),
     ("map_tiers", "what kvtierd publishes: a block stored in host (CPU) and disk (STORAGE), then "
-     "removed from host; hash of tokens 0..15 in vLLM's u64 form", TIERS_BATCH, False),
+     "removed from host; hash of tokens 0..15 in vLLM's u64 form", TIERS_BATCH, "map"),
     ("map_all_fields", "every optional field set, 32-byte digest hashes, no data_parallel_rank "
-     "(a two-element batch)", FULL_BATCH, False),
-    ("legacy_all_fields", "the same in the legacy encoding", FULL_BATCH, True),
+     "(a two-element batch)", FULL_BATCH, "map"),
+    ("legacy_all_fields", "the same in the legacy encoding", FULL_BATCH, "legacy"),
+    ("packed_tiers", "map_tiers in kvtier's packed form (SPEC §9.8): token_ids as a bin of "
+     "little-endian u32s", TIERS_BATCH, "packed"),
+    ("packed_all_fields", "map_all_fields in the packed form: token_ids and lookahead_token_ids as "
+     "bins", FULL_BATCH, "packed"),
+    ("packed_wide_id", "the packed form where an id is 2**32: that event keeps the token_ids array, "
+     "the next one (ids 0xffffffff, 0, 0x01020304, 127) is packed", WIDE_ID_BATCH, "packed"),
 ]
 
 
 def event_vectors() -> dict[str, tuple[bytes, dict[str, Any]]]:
     """Every event-batch vector: relative path stem -> (bytes, JSON description)."""
     out = {}
-    for name, description, batch, legacy in EVENT_BATCHES:
-        data = ev.encode_batch(batch, legacy=legacy)
+    for name, description, batch, encoding in EVENT_BATCHES:
+        data = ev.encode_batch(batch, legacy=encoding == "legacy", packed=encoding == "packed")
         out[f"events/{name}"] = (data, {
             "name": name, "description": description, "kind": "event_batch",
-            "encoding": "legacy" if legacy else "map",
+            "encoding": encoding,
             "event_types": [type(e).__name__ for e in batch.events],
             "msgpack": to_json(msgpack.unpackb(data, raw=False)),
         })
+        if encoding == "packed":  # what a packed decoder gives for the bins (SPEC §9.8)
+            out[f"events/{name}"][1]["token_ids"] = [
+                {f: list(getattr(e, f)) for f in ("token_ids", "lookahead_token_ids") if getattr(e, f) is not None}
+                if isinstance(e, ev.BlockStored) else None for e in batch.events]
     return out
 
 

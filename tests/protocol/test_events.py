@@ -3,10 +3,12 @@ fuzzing, ZMQ framing (pure bytes, then through real pyzmq sockets) and the golde
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import random
 import time
+from array import array
 from pathlib import Path
 from typing import Any
 
@@ -120,7 +122,68 @@ batches = st.builds(ev.EventBatch, st.floats(0, 2e9, allow_nan=False),
 def test_round_trip(batch: ev.EventBatch, legacy: bool) -> None:
     data = ev.encode_batch(batch, legacy=legacy)
     assert ev.decode_batch(data) == batch
+    assert ev.decode_batch(data, packed=True) == batch  # a packed decoder reads the vLLM forms alike
     assert ev.encode_batch(ev.decode_batch(data), legacy=legacy) == data
+
+
+def as_tuples(batch: ev.EventBatch) -> ev.EventBatch:
+    """``batch`` with packed token ids (arrays) as the tuples the vLLM forms decode to."""
+    def fix(e: ev.Event) -> ev.Event:
+        if not isinstance(e, ev.BlockStored):
+            return e
+        look = e.lookahead_token_ids
+        return dataclasses.replace(e, token_ids=tuple(e.token_ids),
+                                   lookahead_token_ids=None if look is None else tuple(look))
+    return ev.EventBatch(batch.ts, tuple(map(fix, batch.events)), batch.data_parallel_rank)
+
+
+@settings(max_examples=80, deadline=None)
+@given(batches)
+def test_packed_round_trip(batch: ev.EventBatch) -> None:
+    data = ev.encode_batch(batch, packed=True)
+    decoded = ev.decode_batch(data, packed=True)
+    assert as_tuples(decoded) == batch
+    assert ev.encode_batch(decoded, packed=True) == data
+    for wire, event in zip(msgpack.unpackb(data)[1], batch.events):
+        for field in ("token_ids", "lookahead_token_ids"):
+            ids = getattr(event, field, None)
+            if ids is not None:  # a bin unless an id needs more than 32 bits (drawn up to 2**32)
+                assert isinstance(wire[field], bytes) == all(i < 1 << 32 for i in ids)
+
+
+def test_pack_token_ids() -> None:
+    assert ev.pack_token_ids([1, 0x01020304, (1 << 32) - 1]) == bytes.fromhex("01000000" "04030201" "ffffffff")
+    assert ev.pack_token_ids(array("I", [7])) == b"\x07\0\0\0" and ev.pack_token_ids(()) == b""
+    for bad in ([1 << 32], [-1], [1.0], [None]):
+        assert ev.pack_token_ids(bad) is None  # the event keeps the array form
+    limits = ev.EventLimits(max_list_len=2)
+    assert ev.unpack_token_ids("t", b"\x01\0\0\0\x02\0\0\0", limits) == array("I", [1, 2])
+    with pytest.raises(EventError):
+        ev.unpack_token_ids("t", b"\x01\0\0", limits)
+    with pytest.raises(LimitExceeded):
+        ev.unpack_token_ids("t", bytes(12), limits)
+    with pytest.raises(EventError):
+        ev.event_to_wire(ev.BlockRemoved((1,)), legacy=True, packed=True)
+
+
+@pytest.mark.parametrize("field", ["token_ids", "lookahead_token_ids"])
+def test_packed_bins_only_where_asked_for_and_checked(field: str) -> None:
+    def batch(value: Any) -> bytes:
+        stored = {"type": "BlockStored", "block_hashes": [1], "token_ids": [], "block_size": 1, field: value}
+        return msgpack.packb([1.0, [stored], 0], use_bin_type=True)
+    good = batch(bytes.fromhex("0500000006000000"))
+    with pytest.raises(EventError):
+        ev.decode_batch(good)  # SPEC 9.6: a bin is a wrong type for a vLLM decoder
+    (e,) = ev.decode_batch(good, packed=True).events
+    assert getattr(e, field) == array("I", [5, 6])
+    with pytest.raises(EventError):
+        ev.decode_batch(batch(b"\x05\0\0"), packed=True)
+    with pytest.raises(LimitExceeded):
+        ev.decode_batch(batch(bytes(16)), ev.EventLimits(max_list_len=3), packed=True)
+    for other in ("block_hashes", "extra_keys"):  # only the two id fields may be packed
+        stored = {"type": "BlockStored", "block_hashes": [1], "token_ids": [], "block_size": 1, other: bytes(8)}
+        with pytest.raises(EventError):
+            ev.decode_batch(msgpack.packb([1.0, [stored]], use_bin_type=True), packed=True)
 
 
 # --- decoding errors and limits ------------------------------------------------------------
@@ -228,7 +291,7 @@ def test_fuzz_decode_batch() -> None:
     for i in range(12_000):
         data = rng.randbytes(rng.randint(0, 40)) if i % 4 == 0 else mutate(rng.choice(seeds), rng)
         try:
-            ev.decode_batch(data)
+            ev.decode_batch(data, packed=i % 2 == 1)
             decoded += 1
         except KVTierError:
             pass
@@ -322,9 +385,15 @@ def test_event_vector(name: str) -> None:
     data = (VECTORS / "events" / f"{name}.bin").read_bytes()
     spec = json.loads((VECTORS / "events" / f"{name}.json").read_text(encoding="utf-8"))
     assert msgpack.unpackb(data, raw=False) == gen_wire.from_json(spec["msgpack"])
-    batch = ev.decode_batch(data)
+    packed = spec["encoding"] == "packed"
+    batch = ev.decode_batch(data, packed=packed)
     assert [type(e).__name__ for e in batch.events] == spec["event_types"]
-    assert ev.encode_batch(batch, legacy=spec["encoding"] == "legacy") == data
+    assert ev.encode_batch(batch, legacy=spec["encoding"] == "legacy", packed=packed) == data
+    if packed:  # SPEC 9.8: the ids a packed decoder gives; a vLLM decoder refuses the bins
+        assert [None if t is None else {f: list(getattr(e, f)) for f in t}
+                for e, t in zip(batch.events, spec["token_ids"])] == spec["token_ids"]
+        with pytest.raises(EventError):
+            ev.decode_batch(data)
 
 
 def test_section_4_2_vector_is_the_reference_structure() -> None:

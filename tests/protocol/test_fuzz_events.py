@@ -22,10 +22,11 @@ FIELDS = ["type", "block_hashes", "parent_block_hash", "token_ids", "block_size"
 
 
 def decode(buf: bytes) -> None:
-    try:
-        ev.decode_batch(buf)
-    except KVTierError:
-        pass
+    for packed in (False, True):  # the vLLM forms, and kvtier's packed form (SPEC 9.8)
+        try:
+            ev.decode_batch(buf, packed=packed)
+        except KVTierError:
+            pass
 
 
 @FUZZ

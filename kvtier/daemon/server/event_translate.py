@@ -37,7 +37,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from kvtier_protocol.errors import KVTierError
-from kvtier_protocol.events import BlockRemoved, BlockStored, event_to_wire, removed_wire, stored_wire
+from kvtier_protocol.events import (BlockRemoved, BlockStored, event_to_wire, pack_token_ids, removed_wire,
+                                    stored_wire)
 from kvtier_protocol.keys import chain_hashes, event_hash
 from kvtier_protocol.namespace import Namespace
 
@@ -143,11 +144,47 @@ def _units_u64(units: Sequence[bytes]) -> array | None:
     return out
 
 
-def _run_wire(what: int, hashes: list[int], parent: int | None, tokens: list[int], block_size: int,
-              medium: str | None, kind: str | None, legacy: bool) -> dict[str, object] | list[object]:
-    if what == _REMOVED:
-        return removed_wire(hashes, medium, GROUP_IDX, legacy)
-    return stored_wire(hashes, parent, tokens, block_size, medium, GROUP_IDX, kind, legacy)
+@dataclass(slots=True)
+class Run:
+    """Consecutive per-block events joined as vLLM emits them (one wire event), before encoding.
+
+    Attributes:
+        what: 0 full BlockStored, 1 placeholder BlockStored, 2 BlockRemoved.
+        hashes: u64 event hashes, prefix order.
+        parent: u64 of the first block's parent (full stores only).
+        tokens: the blocks' token ids joined (full stores only; 'I', or 'Q' when one exceeds
+            32 bits), an array owned by the run.
+        block_size: tokens per hash (full stores), else 0.
+        medium: the tier's event medium.
+        kind: ``kv_cache_spec_kind`` of stores, None for removals.
+    """
+
+    what: int
+    hashes: list[int]
+    parent: int | None
+    tokens: array | None
+    block_size: int
+    medium: str | None
+    kind: str | None
+
+    def wire(self, legacy: bool = False) -> dict[str, object] | list[object]:
+        """The vLLM wire form (map, or legacy array): token ids as a msgpack array of ints."""
+        if self.what == _REMOVED:
+            return removed_wire(self.hashes, self.medium, GROUP_IDX, legacy)
+        tokens = self.tokens.tolist() if self.tokens is not None else []
+        return stored_wire(self.hashes, self.parent, tokens, self.block_size, self.medium, GROUP_IDX, self.kind,
+                           legacy)
+
+    def packed(self) -> dict[str, object] | list[object]:
+        """kvtier's packed form (SPEC.md §9.8): the map form with token ids as one bin of
+        little-endian u32s, copied from the run's array without a Python int per id."""
+        if self.what == _REMOVED:
+            return removed_wire(self.hashes, self.medium, GROUP_IDX)
+        tokens: list[int] | bytes = b""
+        if self.tokens is not None:
+            raw = pack_token_ids(self.tokens)
+            tokens = raw if raw is not None else self.tokens.tolist()  # an id above 32 bits: an array
+        return stored_wire(self.hashes, self.parent, tokens, self.block_size, self.medium, GROUP_IDX, self.kind)
 
 
 def _translated(ev: StoreEvent, what: int, hashes: Sequence[int], parent: int | None, tokens: array | None,
@@ -228,22 +265,30 @@ class EventTranslator:
                        legacy: bool = False, *, per_block: list[Translated] | None = None
                        ) -> list[dict[str, object] | list[object]]:
         """The msgpack-ready vLLM events (:func:`~kvtier_protocol.events.event_to_wire` form)
-        of ``events``, consecutive blocks joined into runs as vLLM emits them: stores of one
-        chain in one medium, placeholders of one medium, removals of one medium. Updates the
-        token cache.
-
-        One pass without an object per block (the daemon's publish path, ~10^5 store events a
-        second): each run goes straight to its wire form, token arrays joined in C.
+        of ``events``: :meth:`translate_runs`, each run in its wire form. Updates the token cache.
 
         Args:
             per_block: when given, also gets one :class:`Translated` per store event (SSE).
         """
-        out: list[dict[str, object] | list[object]] = []
+        return [r.wire(legacy) for r in self.translate_runs(events, namespaces, per_block=per_block)]
+
+    def translate_runs(self, events: Sequence[StoreEvent], namespaces: Mapping[bytes, Namespace], *,
+                       per_block: list[Translated] | None = None) -> list[Run]:
+        """``events`` with consecutive blocks joined into runs as vLLM emits them: stores of one
+        chain in one medium, placeholders of one medium, removals of one medium. Updates the
+        token cache; each run gives its wire form (:meth:`Run.wire`, :meth:`Run.packed`).
+
+        One pass without an object per block (the daemon's publish path, ~10^5 store events a
+        second): token arrays are joined in C, and no Python int is made per token id here.
+
+        Args:
+            per_block: when given, also gets one :class:`Translated` per store event (SSE).
+        """
+        out: list[Run] = []
         step = self._step
+        run: Run | None = None
         r_what = -1  # no run open
-        r_medium = r_kind = r_ns = r_last = r_parent = None
-        r_hashes: list[int] = []
-        r_tokens: list[int] = []
+        r_medium = r_kind = r_ns = r_last = None
         r_bs = r_nh = r_nt = 0
         for ev in events:
             what, hashes, parent, tokens, block_size, kind = step(ev, namespaces)
@@ -258,21 +303,24 @@ class EventTranslator:
                     and (what == _REMOVED or (kind == r_kind and (what == _PLACEHOLDER or (
                         block_size == r_bs and ev.parent_hash == r_last
                         and r_nt + len(tokens) <= MAX_RUN_TOKENS))))):  # type: ignore[arg-type]
-                r_hashes.extend(hashes)
+                assert run is not None, "an open run"
+                run.hashes.extend(hashes)
                 if tokens is not None:
-                    r_tokens.extend(tokens)
+                    assert run.tokens is not None, "full stores join full stores"
+                    if tokens.typecode != run.tokens.typecode:  # an id above 32 bits: the run goes 'Q'
+                        run.tokens = array("Q", run.tokens)
+                        tokens = array("Q", tokens)
+                    run.tokens.extend(tokens)
                     r_nt += len(tokens)
                 r_nh += nh
             else:
-                if r_what >= 0:
-                    out.append(_run_wire(r_what, r_hashes, r_parent, r_tokens, r_bs, r_medium, r_kind, legacy))
-                r_what, r_medium, r_ns, r_kind, r_bs, r_parent = what, medium, ev.ns_id, kind, block_size, parent
-                r_hashes = list(hashes)
-                r_tokens = tokens.tolist() if tokens is not None else []
-                r_nh, r_nt = nh, len(r_tokens)
+                r_what, r_medium, r_ns, r_kind, r_bs = what, medium, ev.ns_id, kind, block_size
+                # tokens[:] copies: the run's array grows, the cached one must not
+                run = Run(what, list(hashes), parent, tokens[:] if tokens is not None else None, block_size, medium,
+                          kind)
+                out.append(run)
+                r_nh, r_nt = nh, len(tokens) if tokens is not None else 0
             r_last = ev.chain_hash
-        if r_what >= 0:
-            out.append(_run_wire(r_what, r_hashes, r_parent, r_tokens, r_bs, r_medium, r_kind, legacy))
         return out
 
     def _step(self, ev: StoreEvent, namespaces: Mapping[bytes, Namespace]) -> _Step:

@@ -83,10 +83,10 @@ class WireBatch:
     data_parallel_rank: int | None = None
 
 
-def _encode(batch: EventBatch | WireBatch, legacy: bool) -> bytes:
+def _encode(batch: EventBatch | WireBatch, legacy: bool, packed: bool) -> bytes:
     if isinstance(batch, WireBatch):
         return encode_wire_batch(batch.ts, batch.events, batch.data_parallel_rank)
-    return encode_batch(batch, legacy=legacy)
+    return encode_batch(batch, legacy=legacy, packed=packed)
 
 
 def _open(ctx: zmq.Context, kind: int, endpoint: str, bind: bool, hwm: int, linger: int) -> zmq.Socket:
@@ -116,14 +116,19 @@ class ZmqPublisher:
         buffer_steps: batches the replay buffer keeps.
         hwm: SNDHWM of the PUB socket.
         max_queue: batches waiting for the thread before new ones are dropped.
+        packed: this socket carries kvtier's packed form (SPEC.md §9.8); :class:`WireBatch`
+            events come already packed (``Run.packed``), :class:`EventBatch` ones are packed here.
     """
 
     def __init__(self, endpoint: str, *, replay_endpoint: str | None, topic: str, legacy: bool,
-                 buffer_steps: int, hwm: int, max_queue: int) -> None:
+                 buffer_steps: int, hwm: int, max_queue: int, packed: bool = False) -> None:
+        if packed and legacy:
+            raise InvalidRequest("the packed event form is a map form; it has no legacy variant")
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self._topic = topic.encode("utf-8")
         self._legacy = legacy
+        self._packed = packed
         self._hwm = hwm
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=max(buffer_steps, 0))
         # max(…, 1): a maxsize of 0 would make the queue unbounded
@@ -175,7 +180,7 @@ class ZmqPublisher:
 
     def submit(self, seq: int, batch: EventBatch | WireBatch) -> bool:
         """Queue one batch for sending; never blocks. False: dropped (queue full or closed).
-        A :class:`WireBatch` must be in this publisher's encoding (``legacy``)."""
+        A :class:`WireBatch` must be in this publisher's encoding (``legacy``, ``packed``)."""
         if not self.running:
             return False
         try:
@@ -245,7 +250,7 @@ class ZmqPublisher:
             except queue.Empty:
                 return
             try:
-                payload = _encode(batch, self._legacy)
+                payload = _encode(batch, self._legacy, self._packed)
                 self._pub.send_multipart(live_message(self._topic, seq, payload), flags=zmq.NOBLOCK)
                 self.stats.batches_sent += 1
             except zmq.Again:

@@ -11,6 +11,10 @@ SSE subscriber. Translation (hash units, token ids, placeholders) is in
 :mod:`kvtier.daemon.server.event_zmq`. ``AllBlocksCleared`` is never sent: the store reports a clear
 as one removal per block and tier, which is exact, and it has no "everything is gone" event.
 
+A hub made with ``packed_endpoint`` also publishes every batch, with the same seq, on a second PUB
+socket in kvtier's packed form (SPEC.md §9.8: token ids as little-endian u32 bins), for kvtier's
+own subscribers (``decode_batch(..., packed=True)``); the vLLM-compatible socket is unchanged.
+
 Nothing here blocks the event loop: the ZMQ side drops (and counts) batches when its queue is
 full, and a subscriber whose queue is full loses events (counted per subscriber) without
 slowing anyone else.
@@ -87,6 +91,9 @@ class EventHub:
         max_token_blocks: blocks whose tokens are remembered (:meth:`note_blocks`), LRU.
         max_token_ids: token ids remembered over all blocks (4 bytes each, typically).
         max_queue: batches waiting for the ZMQ sender thread before new ones are dropped.
+        packed_endpoint: a second PUB endpoint carrying the same batches (same seq, same topic,
+            no replay) in the packed form of SPEC.md §9.8, for kvtier's own subscribers; None:
+            none. vLLM and llm-d cannot decode it: never point them at it.
 
     Raises:
         InvalidRequest: ``replay_endpoint`` without ``endpoint``.
@@ -94,7 +101,7 @@ class EventHub:
 
     def __init__(self, cfg: EventsSettings, metrics: EventMetrics | None = None, *,
                  max_token_blocks: int = 1_000_000, max_token_ids: int = 1 << 26,
-                 max_queue: int = 10_000) -> None:
+                 max_queue: int = 10_000, packed_endpoint: str | None = None) -> None:
         if cfg.replay_endpoint is not None and cfg.endpoint is None:
             raise InvalidRequest("events.replay_endpoint needs events.endpoint (the PUB socket)")
         self.cfg = cfg
@@ -107,33 +114,58 @@ class EventHub:
             self._zmq = ZmqPublisher(cfg.endpoint, replay_endpoint=cfg.replay_endpoint, topic=self.topic,
                                      legacy=cfg.legacy_array, buffer_steps=cfg.buffer_steps,
                                      hwm=cfg.hwm, max_queue=max_queue)
+        self._packed: ZmqPublisher | None = None
+        if packed_endpoint is not None:
+            self._packed = ZmqPublisher(packed_endpoint, replay_endpoint=None, topic=self.topic, legacy=False,
+                                        buffer_steps=0, hwm=cfg.hwm, max_queue=max_queue, packed=True)
         self._seq = 0  # next live seq, from 0 per publisher (vLLM)
         self._subscribers: dict[asyncio.Queue[dict[str, Any]], int] = {}  # queue -> events dropped
 
     # --- lifecycle -----------------------------------------------------------------------------
 
     def start(self) -> list[str]:
-        """Open the PUB socket (and the replay ROUTER); returns their endpoints, [] without ZMQ.
+        """Open the PUB socket (and the replay ROUTER, and the packed PUB socket); returns their
+        endpoints in that order, [] without ZMQ.
 
         Raises:
             InvalidRequest: a malformed endpoint. Unavailable: an endpoint cannot be bound.
         """
-        return self._zmq.start() if self._zmq is not None else []
+        out = self._zmq.start() if self._zmq is not None else []
+        if self._packed is not None:
+            try:
+                out += self._packed.start()
+            except BaseException:
+                self.close()
+                raise
+        return out
 
     def close(self) -> None:
         """Flush queued batches and close the sockets (waits at most a few seconds). Idempotent."""
-        if self._zmq is not None:
-            self._zmq.close()
+        for z in (self._zmq, self._packed):
+            if z is not None:
+                z.close()
 
     @property
     def endpoints(self) -> list[str]:
-        """The PUB endpoint and the replay endpoint as bound (after :meth:`start`)."""
+        """The PUB endpoint, the replay endpoint and the packed endpoint as bound (after
+        :meth:`start`), those configured."""
         z = self._zmq
-        return [] if z is None else [z.endpoint] + ([z.replay_endpoint] if z.replay_endpoint else [])
+        out = [] if z is None else [z.endpoint] + ([z.replay_endpoint] if z.replay_endpoint else [])
+        return out + ([self._packed.endpoint] if self._packed is not None else [])
+
+    @property
+    def packed_endpoint(self) -> str | None:
+        """The packed PUB endpoint as bound (after :meth:`start`); None: none."""
+        return self._packed.endpoint if self._packed is not None else None
 
     @property
     def zmq_stats(self) -> ZmqStats | None:
         return self._zmq.stats if self._zmq is not None else None
+
+    @property
+    def packed_stats(self) -> ZmqStats | None:
+        """Counters of the packed publisher; None: none."""
+        return self._packed.stats if self._packed is not None else None
 
     @property
     def token_info_blocks(self) -> int:
@@ -159,8 +191,8 @@ class EventHub:
                 and attention shape the events; an unknown namespace still publishes).
 
         Returns:
-            vLLM events published: accepted by the ZMQ sender, or, without an endpoint, made
-            for SSE. 0 for no events, or when the sender is not running (before :meth:`start`,
+            vLLM events published: accepted by the ZMQ sender (the packed one when it is the
+            only one), or, without an endpoint, made for SSE. 0 for no events, or when the sender is not running (before :meth:`start`,
             after :meth:`close`) or its queue was full; SSE subscribers get the events anyway.
         """
         if not store_events:
@@ -174,14 +206,17 @@ class EventHub:
             seq = self._seq
             self._seq += 1
             translated: list[Translated] | None = [] if self._subscribers else None  # per block, for SSE
-            events = self._translator.translate_wire(chunk, namespaces, legacy, per_block=translated)
+            runs = self._translator.translate_runs(chunk, namespaces, per_block=translated)
             accepted = True  # without ZMQ, a batch is "sent" once made (SSE and metrics)
             if self._zmq is not None:  # False before start(), after close(), or queue full
-                accepted = self._zmq.submit(seq, WireBatch(ts, events, DATA_PARALLEL_RANK))
+                accepted = self._zmq.submit(seq, WireBatch(ts, [r.wire(legacy) for r in runs], DATA_PARALLEL_RANK))
+            if self._packed is not None:
+                packed = self._packed.submit(seq, WireBatch(ts, [r.packed() for r in runs], DATA_PARALLEL_RANK))
+                accepted = packed if self._zmq is None else accepted
             if accepted:
-                sent += len(events)
+                sent += len(runs)
                 self.stats.batches += 1
-                self.stats.events += len(events)
+                self.stats.events += len(runs)
             if translated:
                 self._fan_out([t.as_dict(seq, ts) for t in translated])
         if sent and self.metrics is not None:

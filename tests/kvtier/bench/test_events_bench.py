@@ -19,7 +19,7 @@ from kvtier.daemon.store.stats import EventKind
 from kvtier_protocol.events import BlockRemoved, BlockStored, decode_batch, decode_event
 
 
-def test_quick_events_bench_writes_both_rows_per_geometry(tmp_path: Path) -> None:
+def test_quick_events_bench_writes_both_forms_rows_per_geometry(tmp_path: Path) -> None:
     out = tmp_path / "events.json"
     assert main(["bench", "events", "--quick", "--repetitions", "1", "--json", str(out),
                  "--geometry", "16/16,64/16", "--events", "256", "--batch", "64", "--chain", "8"]) == 0
@@ -28,7 +28,9 @@ def test_quick_events_bench_writes_both_rows_per_geometry(tmp_path: Path) -> Non
     names = {f.name for f in fields(Row)}
     rates, stuck = doc["rows"][:-2], doc["rows"][-2:]
     assert [(r["case"], r["metric"], r["baseline_name"]) for r in rates] == [
-        (f"{case}, 64 per publish", metric, base) for case in ("16-token blocks (1 hashes)", "64-token blocks (4 hashes)")
+        (f"{case}, 64 per publish{form}", metric, base)
+        for case in ("16-token blocks (1 hashes)", "64-token blocks (4 hashes)")
+        for form in ("", ", packed token ids (SPEC 9.8)")
         for metric, base in (("published", "raw pyzmq PUB, same bytes"),
                              ("received + decoded", "raw pyzmq PUB/SUB, same bytes"),
                              ("decode only", "msgpack.unpackb, same bytes"))]
@@ -68,3 +70,9 @@ def test_workload_alternates_stores_and_their_removals() -> None:
     assert all(isinstance(e, BlockRemoved) for e in removed_wire)
     assert sum(len(e.block_hashes) for e in removed_wire) == 50 * 4
     assert all(decode_batch(b).events for b in work.batches)  # the raw baseline sends real batches
+    # the packed form's baseline: the same events, token ids as bins (SPEC 9.8)
+    assert len(work.packed_batches) == len(work.batches)
+    for plain, packed in zip(work.batches, work.packed_batches):
+        a, b = decode_batch(plain).events, decode_batch(packed, packed=True).events
+        assert [(e.block_hashes, list(getattr(e, "token_ids", ()))) for e in a] == \
+            [(e.block_hashes, list(getattr(e, "token_ids", ()))) for e in b]

@@ -11,12 +11,13 @@ from __future__ import annotations
 import os
 import random
 import time
+from array import array
 from collections.abc import AsyncIterator, Callable, Iterator
 
 import msgpack
 import pytest
 import zmq
-from kvtier_protocol.errors import InvalidRequest, Unavailable
+from kvtier_protocol.errors import EventError, InvalidRequest, Unavailable
 from kvtier_protocol.events import (BlockRemoved, BlockStored, Event, EventBatch, decode_batch, encode_batch,
                                     event_to_wire, parse_live_message, parse_replay_reply, replay_request)
 from kvtier_protocol.header import BlockHeader, Section, encode_header, payload_checksum
@@ -623,8 +624,11 @@ def test_translate_wire_equals_the_object_path(limits: tuple[int, int], monkeypa
                 fast.note_blocks(*step)
                 slow.note_blocks(*step)
                 continue
-            wire = fast.translate_wire(step, namespaces, legacy)
-            assert wire == [event_to_wire(e, legacy) for e in reference_merge(slow.translate(step, namespaces))]
+            runs = fast.translate_runs(step, namespaces)
+            merged = reference_merge(slow.translate(step, namespaces))
+            assert [r.wire(legacy) for r in runs] == [event_to_wire(e, legacy) for e in merged]
+            # the packed form (SPEC §9.8) of the same runs, made from their arrays
+            assert [r.packed() for r in runs] == [event_to_wire(e, packed=True) for e in merged]
             assert (len(fast), fast._tokens, fast.invalid_notes) == (len(slow), slow._tokens, slow.invalid_notes)
 
 
@@ -671,3 +675,99 @@ def test_sender_packs_event_batches_and_wire_batches_alike(zctx, legacy: bool) -
         pub.close()
     assert a[2] == b[2] == encode_batch(EventBatch(3.5, objects, 0), legacy)
     assert decode_batch(a[2]).events == objects
+
+
+def _join_all(socks: list[zmq.Socket], send: Callable[[], object]) -> None:
+    """:func:`joined` for several SUB sockets fed the same probes: probe until every socket got
+    one, then read each up to the last probe sent (all of them see the same seqs)."""
+    sent = 0
+    deadline = time.monotonic() + PATIENCE_S
+    while True:
+        send()
+        sent += 1
+        if all(s.poll(50) for s in socks):
+            break
+        assert time.monotonic() < deadline, "a subscription never reached the publisher"
+    for s in socks:
+        while int.from_bytes(receive(s, 1)[0][1], "big") != sent - 1:
+            pass
+
+
+async def test_packed_endpoint_carries_the_same_batches_with_token_ids_packed(store, hubs, zctx) -> None:
+    hub = started(hubs, events_config(), packed_endpoint="tcp://127.0.0.1:*")
+    assert hub.packed_endpoint is not None and hub.endpoints == [hub.endpoints[0], hub.packed_endpoint]
+    socks = []
+    for endpoint in hub.endpoints:
+        sock = zctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.SUBSCRIBE, b"kv@")
+        sock.connect(endpoint)
+        socks.append(sock)
+    try:
+        _join_all(socks, hub_probe(hub))
+        _, units, keys = await put_prompt(store, hub, 3)
+        assert pump(store, hub) == 1
+        await store.delete(NS.ns_id, [keys[2]])
+        assert pump(store, hub) == 1
+        plain, packed = (receive(s, 2) for s in socks)
+    finally:
+        for sock in socks:
+            sock.close(linger=0)
+    assert [m[:2] for m in plain] == [m[:2] for m in packed]  # same topic, same seqs
+    stored = msgpack.unpackb(packed[0][2])[1][0]
+    assert stored["token_ids"] == array("I", range(96)).tobytes()  # little-endian u32s
+    assert isinstance(msgpack.unpackb(plain[0][2])[1][0]["token_ids"], list)  # the vLLM stream is unchanged
+    with pytest.raises(EventError):
+        decode_batch(packed[0][2])  # a decoder not asked for the packed form refuses it
+    for a, b in zip(plain, packed):
+        vllm, ours = decode_batch(a[2]), decode_batch(b[2], packed=True)
+        assert vllm.data_parallel_rank == ours.data_parallel_rank == 0
+        assert [(type(e), e.block_hashes, list(getattr(e, "token_ids", ()))) for e in vllm.events] == \
+            [(type(e), e.block_hashes, list(getattr(e, "token_ids", ()))) for e in ours.events]
+    assert decode_batch(packed[0][2], packed=True).events[0].block_hashes == tuple(event_hash(u) for u in units)
+    assert hub.zmq_stats.batches_sent == hub.packed_stats.batches_sent
+
+
+def test_a_hub_with_only_the_packed_endpoint_counts_what_it_sends(hubs, zctx) -> None:
+    hub = started(hubs, events_config(endpoint=None), packed_endpoint="tcp://127.0.0.1:*")
+    assert hub.endpoints == [hub.packed_endpoint] and hub.zmq_stats is None
+    sock = zctx.socket(zmq.SUB)
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+    sock.connect(hub.packed_endpoint)
+    try:
+        _join_all([sock], hub_probe(hub))
+        hub.note_blocks(NS.ns_id, [BlockTokens(b"\x01" * 32, None, tuple(range(1000, 1032)))])
+        stored = StoreEvent(EventKind.STORED, Tier.HOST, NS.ns_id, b"\x01" * 32, None, 32)
+        assert hub.publish([stored], {}) == 1  # no namespace: the note's one unit is trusted
+        (msg,) = receive(sock, 1)
+    finally:
+        sock.close(linger=0)
+    (event,) = decode_batch(msg[2], packed=True).events
+    assert isinstance(event, BlockStored) and event.token_ids == array("I", range(1000, 1032))
+    hub.close()
+    assert hub.publish([stored], {}) == 0  # the packed sender is the one that counts
+
+
+def test_packed_publisher_packs_event_batches_and_wire_batches_alike(zctx) -> None:
+    with pytest.raises(InvalidRequest):
+        ZmqPublisher("tcp://127.0.0.1:*", replay_endpoint=None, topic=TOPIC, legacy=True, buffer_steps=0,
+                     hwm=100, max_queue=10, packed=True)
+    pub = ZmqPublisher("tcp://127.0.0.1:*", replay_endpoint=None, topic=TOPIC, legacy=False, buffer_steps=0,
+                       hwm=100, max_queue=10, packed=True)
+    (endpoint,) = pub.start()
+    sub = zctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
+    sub.connect(endpoint)
+    seqs = iter(range(1 << 30))
+    try:
+        probes = joined(sub, lambda: pub.submit(next(seqs), EventBatch(0.0, (BlockRemoved((9,), "CPU", 0),), 0)))
+        objects = (BlockStored((1, 2), None, (5, 6, 7, 1 << 31), 2, medium="CPU", group_idx=0,
+                               kv_cache_spec_kind="full_attention"), BlockRemoved((1, 2), "CPU", 0))
+        assert pub.submit(probes, EventBatch(3.5, objects, 0))
+        assert pub.submit(probes + 1, WireBatch(3.5, [event_to_wire(e, packed=True) for e in objects], 0))
+        a, b = receive(sub, 2)
+    finally:
+        sub.close(linger=0)
+        pub.close()
+    assert a[2] == b[2] == encode_batch(EventBatch(3.5, objects, 0), packed=True)
+    stored = decode_batch(a[2], packed=True).events[0]
+    assert isinstance(stored, BlockStored) and list(stored.token_ids) == [5, 6, 7, 1 << 31]

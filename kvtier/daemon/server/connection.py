@@ -12,6 +12,14 @@ fails, is answered with an error carrying its ``id``; the connection stays. When
 ends, for whatever reason, its in-flight requests finish and every lease it still holds is
 released, so a client killed between reserve and commit leaves no visible block behind.
 
+Payload bytes cross the process once each way and are never copied in Python: a put's payload is
+received in place (:mod:`kvtier_protocol.frame_stream`), and a get's records are handed to the
+transport as the leased slots themselves (``writev``; :func:`kvtier.daemon.server.inline.record_views`).
+The transport's write buffer has a high-water mark of 0, so a write's drain returns once its last
+byte is in the kernel; only then is the get's lease released (``Session.after_send``). A response
+whose bytes cannot all leave (the peer stopped reading, shutdown) aborts the connection before
+its lease is released: the slots' bytes are never sent once they may be reused.
+
 Before its hello succeeds a connection is a stranger's, and costs the daemon next to nothing: it
 must say hello within ``hello_timeout_s``, frames bigger than a hello (:data:`HELLO_MAX_BYTES`)
 or with a payload close it, and its stream buffers at most :data:`HELLO_STREAM_LIMIT` ahead.
@@ -27,6 +35,7 @@ import asyncio
 import itertools
 import logging
 import socket
+import sys
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -48,7 +57,7 @@ log = logging.getLogger(__name__)
 
 MUTATING_OPS = ("delete", "clear")  # need the token over TCP (SPEC §7.4)
 FDS_SEND_TIMEOUT_S = 5.0  # how long the hello response may wait for room in the socket buffer
-JOIN_WRITE_BYTES = 1 << 20  # frames up to this size are written with one joined buffer
+JOIN_WRITE_BYTES = 1 << 20  # frames up to this size are written with one joined buffer (where writelines joins)
 HELLO_MAX_BYTES = 16 << 10  # largest frame header before the hello (a hello: token <= 1 KiB, names)
 HELLO_STREAM_LIMIT = 64 << 10  # bytes buffered ahead of the reader before the hello (then the full limit)
 _serial = itertools.count(1)  # connection numbers, for logs
@@ -104,6 +113,10 @@ class Connection:
         where = f"tcp {peer[0]}:{peer[1]}" if isinstance(peer, tuple) else "unix"
         self.peer = f"connection {next(_serial)} ({where})"
         self._write_lock = asyncio.Lock()
+        # drain() returns only once every byte written is in the kernel: a get's lease is held
+        # until then (its payload is sent from the slots), and a write never buffers ahead
+        writer.transport.set_write_buffer_limits(high=0)
+        self._gathers = _writes_gathered(writer.transport)
         self._tasks: set[asyncio.Task[None]] = set()
         self._reading: asyncio.Task[None] | None = None
         self._closed = False
@@ -289,7 +302,12 @@ class Connection:
                 return
             self._check_allowed(req)
             response = await self.handler.handle(req, self.session)
-            await self._send_message(response)
+            try:
+                await self._send_message(response)
+            finally:
+                after = self.session.after_send.pop(id(response), None)
+                if after is not None:
+                    self._after_send(after)
         except KVTierError as exc:
             status = exc.code
             await self._send(fr.error_response(frame.id, exc, op))
@@ -307,6 +325,19 @@ class Connection:
             await self._send(fr.error_response(frame.id, exc, op))
         finally:
             self.ctx.metrics.observe_request(_op_label(op), status, time.perf_counter() - started)
+
+    def _after_send(self, after: Callable[[], object]) -> None:
+        """Run what waited for a response's bytes to leave (release a get's lease). Bytes still
+        in the transport then (the write was cut short: shutdown, cancellation) would be read from
+        slots the lease no longer holds: the connection is aborted first, dropping them."""
+        transport = self.writer.transport
+        if transport.get_write_buffer_size() and not transport.is_closing():
+            log.info("%s: a response sent from the host slots could not leave in time; closing", self.peer)
+            self._closed = True
+            transport.abort()
+        elif transport.get_write_buffer_size():  # closing: the buffered bytes may still go out
+            transport.abort()
+        after()
 
     def _check_allowed(self, req: fr.Request) -> None:
         session = self.session
@@ -366,7 +397,7 @@ class Connection:
             if self._closed or self.writer.is_closing():
                 return
             try:
-                if sum(len(b) for b in bufs) <= JOIN_WRITE_BYTES:
+                if self._gathers or sum(len(b) for b in bufs) <= JOIN_WRITE_BYTES:
                     self.writer.writelines(bufs)
                 else:  # Python 3.11's writelines joins its buffers: one more copy of a payload
                     for buf in bufs:
@@ -436,6 +467,13 @@ class Connection:
             self.writer.transport.abort()
         except (ConnectionError, OSError):
             pass
+
+
+def _writes_gathered(transport: asyncio.BaseTransport) -> bool:
+    """Whether ``transport.writelines`` hands its buffers to the socket as they are (``writev``,
+    the unsent rest kept as views, nothing copied): uvloop's transports, and asyncio's from
+    Python 3.12. Python 3.11's own joins them into one bytes object first."""
+    return type(transport).__module__.startswith("uvloop") or sys.version_info >= (3, 12)
 
 
 def _known_op(op: str | None) -> str | None:

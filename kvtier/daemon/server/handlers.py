@@ -11,7 +11,7 @@ descriptor passing, in-flight limits) are :mod:`kvtier.daemon.server.connection`
     grant   ─► Session.leases[id] = GrantLease ─► place (any slots, any number of times) ─►
                store.place ─► note token info
     put     ─► check records ─► reserve ─► copy payloads into host slots ─► commit   (all or nothing)
-    get     ─► acquire ─► copy header + payload of each block out ─► release
+    get     ─► acquire ─► header + slot view of each block, sent as they are ─► release once sent
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -31,7 +32,7 @@ from kvtier_protocol.namespace import Namespace
 
 from kvtier_protocol.buffers import PayloadBuffers
 from kvtier.daemon.server.events import BlockTokens
-from kvtier.daemon.server.inline import check_records, copy_checked, copy_out, run_sized
+from kvtier.daemon.server.inline import check_records, copy_checked, record_views, run_sized
 from kvtier.daemon.server.remote_views import remote_view
 from kvtier.daemon.store.results import PlaceStatus, PutStatus
 from kvtier.daemon.store.types import Slot
@@ -84,6 +85,9 @@ class Session:
     authenticated: bool = False
     leases: dict[int, PutLease | GrantLease | None] = field(default_factory=dict)
     scope: Scope | None = None
+    after_send: dict[int, Callable[[], object]] = field(default_factory=dict)
+    """Per response (its ``id()``) what to do once its bytes have left: a get's payload is sent
+    from the leased slots, so its lease is released then (kvtier.daemon.server.connection)."""
 
 
 class RequestHandler:
@@ -271,17 +275,15 @@ class RequestHandler:
                     break  # SPEC §7.4: records that no longer fit are answered nil, as if missing
                 budget -= size
                 todo.append((block.header, store.host.view(block.slot)))
-            total = sum(len(h) + v.nbytes for h, v in todo)
-            payload: memoryview | bytes = b""
-            if total:
-                payload = self.buffers.view(total)  # reusable once the response is written
-                await run_sized(total, copy_out, payload, todo)
-                payload = payload.toreadonly()
-        finally:
+            lens = tuple(len(h) + v.nbytes for h, v in todo) + (None,) * (len(req.hashes) - len(todo))
+            response = fr.GetResponse(req.id, lens, payload=record_views(todo))
+        except BaseException:
             if got.lease_id:
                 store.release(got.lease_id)
-        lens = tuple(len(h) + v.nbytes for h, v in todo) + (None,) * (len(req.hashes) - len(todo))
-        return fr.GetResponse(req.id, lens, payload=payload)
+            raise
+        if got.lease_id:  # the payload is sent from the slots: the lease holds until it has left
+            session.after_send[id(response)] = partial(store.release, got.lease_id)
+        return response
 
     # --- both paths ----------------------------------------------------------------------------
 

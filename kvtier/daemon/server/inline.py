@@ -1,11 +1,16 @@
-"""The byte work of the inline (TCP) path: check put records, copy payloads into and out of host slots.
+"""The byte work of the inline (TCP) path: check put records, copy payloads into host slots, send
+get payloads from them.
 
 A put's payloads are verified as they are copied into their slots, a chunk at a time, the hash
 reading each chunk of the slot just written while it is still in cache: one pass over memory
 fewer than checking the received record and then copying it, and what is verified is exactly the
 slot, so the store marks it checked at once (no background scrub pass later, no hash by readers).
-Large batches run on a worker thread (:func:`run_sized`), so one big put or get does not stall
-the event loop that serves every other connection.
+Large batches run on a worker thread (:func:`run_sized`), so one big put does not stall the event
+loop that serves every other connection.
+
+A get's records are not copied at all: the response's payload is the list of record headers and
+views of the leased slots (:func:`record_views`), which the connection hands to the socket as they
+are (``writev``); the lease is released once those bytes have left (kvtier.daemon.server.connection).
 """
 
 from __future__ import annotations
@@ -61,12 +66,13 @@ def copy_checked(items: Sequence[tuple[memoryview | None, memoryview, int]]) -> 
             if (payload_checksum(src) if dst is None else copy_checksummed(src, dst)) != checksum]
 
 
-def copy_out(dst: memoryview, pairs: Sequence[tuple[bytes, memoryview]]) -> None:
-    """The records of a get response, back to back at the start of ``dst`` (header, then a copy
-    of the slot's payload, made before the lease ends: the slot may be reused after)."""
-    at = 0
+def record_views(pairs: Sequence[tuple[bytes, memoryview]]) -> list[bytes | memoryview]:
+    """The payload of a get response as buffers to send back to back, nothing copied: each
+    record's header, then a read-only view of its slot. The views are valid only while the lease
+    on those slots holds: until the bytes have left (the connection releases it then)."""
+    out: list[bytes | memoryview] = []
     for header, view in pairs:
-        dst[at:at + len(header)] = header
-        at += len(header)
-        dst[at:at + view.nbytes] = view
-        at += view.nbytes
+        out.append(header)
+        out.append(view.toreadonly())
+    return out
+

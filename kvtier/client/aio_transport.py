@@ -9,7 +9,9 @@ The hello runs on the raw socket before the streams take it over, because asynci
 cannot receive descriptors: on a unix socket the first bytes of the hello response are read with
 ``recvmsg`` (``socket.recv_fds``), which also receives the segment descriptors (SPEC.md §7.4).
 Frames are read by :func:`kvtier_protocol.frame_stream.read_frame` (large payloads received in place into
-reused buffers) and large frames written buffer by buffer, never joined. When the connection
+reused buffers) and written as their header and payload buffers in one ``writelines`` where the
+transport sends them as they are (uvloop, Python 3.12+: ``writev``, nothing copied); on Python
+3.11's own transport, which would join them, large frames go out slice by slice, never joined. When the connection
 breaks, every waiting call fails with :class:`ConnectionLost` and the segments are unmapped. A
 call cancelled after the daemon granted it a lease (acquire, reserve) gets that lease released,
 so an abandoned request does not pin blocks until the lease expires.
@@ -35,11 +37,11 @@ from kvtier.client.behind import LateErrors
 from kvtier.client.steps import IO, LEASE_OPS, Call, Receive, Send
 from kvtier.client.options import ClientOptions
 from kvtier.client.session import MAX_FDS, Session, hello_keys, open_session
-from kvtier_protocol.frame_stream import FrameStream, read_frame
+from kvtier_protocol.frame_stream import FrameStream, read_frame, writes_gathered
 
 _FIRST_READ = 64 << 10
 STREAM_LIMIT = 4 << 20  # bytes received ahead of the reader before reading pauses
-JOIN_WRITE_BYTES = 1 << 20  # frames up to this size are written as one joined buffer
+JOIN_WRITE_BYTES = 1 << 20  # frames up to this size are written as one joined buffer (where writelines joins)
 WRITE_SLICE_BYTES = 1 << 20
 """Larger frames are handed to the transport this much at a time, each slice once the previous
 one left the transport's buffer. asyncio's transport sends what the socket takes at once and
@@ -126,6 +128,8 @@ class AsyncConnection:
         # bytes land inside it; frames written in one go take it only when it is free.
         self._writing = asyncio.Lock()
         self._held_back: list[list[Buffer]] = []  # release frames that came up during such a frame
+        # writelines sends the caller's buffers as they are (nothing joined, nothing copied)?
+        self._gathers = writes_gathered(writer.transport)
         self._task = asyncio.get_running_loop().create_task(self._read_loop())
 
     @classmethod
@@ -267,7 +271,7 @@ class AsyncConnection:
         sent = Sent(call.op, future)
         try:
             async with self._writing:
-                if sum(len(b) for b in buffers) <= JOIN_WRITE_BYTES:
+                if self._gathers or sum(len(b) for b in buffers) <= JOIN_WRITE_BYTES:
                     self._writer.writelines(buffers)
                 else:  # Python 3.11's writelines joins its buffers: a copy of the whole payload
                     await self._write_sliced(buffers)

@@ -16,13 +16,17 @@ read, that payload's own buffer::
            └─recv_into──► payload buffer, in place, until it is full              read_into()
 
 The writing side is an ordinary :class:`asyncio.StreamWriter` over the same transport (the
-protocol provides its flow control), so responses are written exactly as before.
+protocol provides its flow control). Where the transport sends a list of buffers as they are
+(:func:`writes_gathered`: uvloop's, and asyncio's from Python 3.12), a frame's header and payload
+buffers are handed over in one ``writelines`` and nothing is copied; Python 3.11's own transport
+joins them, so its writers write large frames buffer by buffer instead.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -249,6 +253,14 @@ class FrameStream(asyncio.BufferedProtocol):
             self._transport.resume_reading()
 
 
+def writes_gathered(transport: asyncio.BaseTransport) -> bool:
+    """Whether ``transport.writelines`` hands its buffers to the socket as they are (``writev``;
+    what the socket does not take at once is kept as views of them, nothing copied): uvloop's
+    transports, and asyncio's from Python 3.12. Python 3.11's own joins them into one bytes
+    object first: a copy of every payload written that way."""
+    return type(transport).__module__.startswith("uvloop") or sys.version_info >= (3, 12)
+
+
 async def read_frame(stream: FrameStream, limits: Limits, buffers: PayloadBuffers) -> Frame | None:
     """:func:`kvtier_protocol.frames.read_frame` on a :class:`FrameStream`: a payload above
     :data:`POOLED_PAYLOAD_BYTES` is received in place into a buffer of ``buffers``, handed back at
@@ -281,4 +293,4 @@ async def read_payload(stream: FrameStream, n: int, buffers: PayloadBuffers) -> 
     return body
 
 
-__all__ = ["POOLED_PAYLOAD_BYTES", "SCRATCH_BYTES", "FrameStream", "read_frame", "read_payload"]
+__all__ = ["POOLED_PAYLOAD_BYTES", "SCRATCH_BYTES", "FrameStream", "read_frame", "read_payload", "writes_gathered"]

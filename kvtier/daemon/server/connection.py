@@ -35,7 +35,6 @@ import asyncio
 import itertools
 import logging
 import socket
-import sys
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -46,7 +45,7 @@ from kvtier_protocol.errors import (Busy, InvalidRequest, KVTierError, LimitExce
 
 from kvtier_protocol.buffers import ByteBudget, PayloadBuffers
 from kvtier.daemon.server.handlers import RequestHandler, Session
-from kvtier_protocol.frame_stream import FrameStream, read_payload
+from kvtier_protocol.frame_stream import FrameStream, read_payload, writes_gathered
 from kvtier.daemon.server.tenancy import hello_scope
 
 if TYPE_CHECKING:
@@ -116,7 +115,7 @@ class Connection:
         # drain() returns only once every byte written is in the kernel: a get's lease is held
         # until then (its payload is sent from the slots), and a write never buffers ahead
         writer.transport.set_write_buffer_limits(high=0)
-        self._gathers = _writes_gathered(writer.transport)
+        self._gathers = writes_gathered(writer.transport)
         self._tasks: set[asyncio.Task[None]] = set()
         self._reading: asyncio.Task[None] | None = None
         self._closed = False
@@ -467,13 +466,6 @@ class Connection:
             self.writer.transport.abort()
         except (ConnectionError, OSError):
             pass
-
-
-def _writes_gathered(transport: asyncio.BaseTransport) -> bool:
-    """Whether ``transport.writelines`` hands its buffers to the socket as they are (``writev``,
-    the unsent rest kept as views, nothing copied): uvloop's transports, and asyncio's from
-    Python 3.12. Python 3.11's own joins them into one bytes object first."""
-    return type(transport).__module__.startswith("uvloop") or sys.version_info >= (3, 12)
 
 
 def _known_op(op: str | None) -> str | None:

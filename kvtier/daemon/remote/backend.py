@@ -142,8 +142,10 @@ class RemoteBlocks(abc.ABC):
         """Whether each key holds a value now (a hint: it may be evicted before a ``get``)."""
 
     @abc.abstractmethod
-    async def get(self, keys: Sequence[RemoteKey], *, timeout_s: float | None = None) -> list[bytes | None]:
-        """Each key's value (untrusted bytes: verify before use), or None."""
+    async def get(self, keys: Sequence[RemoteKey], *,
+                  timeout_s: float | None = None) -> list[bytes | bytearray | None]:
+        """Each key's value (untrusted bytes: verify before use; a ``bytearray`` where the backend
+        received it in place), or None."""
 
     @abc.abstractmethod
     async def put(self, items: Sequence[tuple[RemoteKey, Value]], *,
@@ -190,7 +192,8 @@ class NoRemoteBlocks(RemoteBlocks):
     async def exists(self, keys: Sequence[RemoteKey], *, timeout_s: float | None = None) -> list[bool]:
         return [False] * len(keys)
 
-    async def get(self, keys: Sequence[RemoteKey], *, timeout_s: float | None = None) -> list[bytes | None]:
+    async def get(self, keys: Sequence[RemoteKey], *,
+                  timeout_s: float | None = None) -> list[bytes | bytearray | None]:
         self._counters.misses += len(keys)
         return [None] * len(keys)
 

@@ -42,6 +42,7 @@ from kvtier_protocol.namespace import NS_ID_LEN
 from kvtier.daemon.remote.address import PREFIX, ClusterAddress, parse_cluster_url
 from kvtier.daemon.remote.backend import TENANT_NAME, RemoteBlocks, RemoteCounters, RemoteKey, Value
 from kvtier.daemon.remote.breaker import BreakerSettings, BreakerState, CircuitBreaker
+from kvtier.daemon.remote.resp_get import FastGets, RespAuth
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +165,7 @@ class RedisClusterBlocks(RemoteBlocks):
         self._refreshed_at = -REFRESH_INTERVAL_S
         self._stragglers: set[asyncio.Task[Any]] = set()  # cancelled pipelines still unwinding
         self._closed = False
+        self._fast = FastGets(RespAuth(settings.user, self._password, self.address.tls, settings.tls_ca_file))
 
     def __repr__(self) -> str:  # never the password
         return f"RedisClusterBlocks({self.address}, user={self.settings.user!r}, prefix={self.settings.prefix!r})"
@@ -184,16 +186,17 @@ class RedisClusterBlocks(RemoteBlocks):
         answers = await self._call([("EXISTS", block_key(prefix, k)) for k in keys], timeout_s)
         return [not isinstance(a, (_Failed, BaseException)) and bool(a) for a in answers]
 
-    async def get(self, keys: Sequence[RemoteKey], *, timeout_s: float | None = None) -> list[bytes | None]:
+    async def get(self, keys: Sequence[RemoteKey], *,
+                  timeout_s: float | None = None) -> list[bytes | bytearray | None]:
         prefix = self.settings.prefix
         start = time.perf_counter()
-        answers = await self._call([("GET", block_key(prefix, k)) for k in keys], timeout_s)
+        answers = await self._call([("GET", block_key(prefix, k)) for k in keys], timeout_s, fast=True)
         if keys and not all(isinstance(a, _Failed) and a.kind == "skipped" for a in answers):
             self._counters.fetch_latency.observe(time.perf_counter() - start)
-        out: list[bytes | None] = []
+        out: list[bytes | bytearray | None] = []
         c = self._counters
         for a in answers:
-            if isinstance(a, bytes):
+            if isinstance(a, (bytes, bytearray)):
                 out.append(a)
                 c.blocks_down += 1
                 c.bytes_down += len(a)
@@ -249,6 +252,7 @@ class RedisClusterBlocks(RemoteBlocks):
             await asyncio.gather(self._refresh, return_exceptions=True)
         if self._stragglers:
             await asyncio.gather(*self._stragglers, return_exceptions=True)
+        self._fast.close()
         if self._client is not None:
             client, self._client = self._client, None
             await client.aclose()
@@ -275,8 +279,10 @@ class RedisClusterBlocks(RemoteBlocks):
                 **extra)
         return self._client
 
-    async def _call(self, commands: list[tuple[Any, ...]], timeout_s: float | None) -> list[Any]:
-        """Run single-key commands in pipelines; one answer per command: the reply or a _Failed."""
+    async def _call(self, commands: list[tuple[Any, ...]], timeout_s: float | None, *,
+                    fast: bool = False) -> list[Any]:
+        """Run single-key commands in pipelines; one answer per command: the reply or a _Failed.
+        ``fast``: the commands are GETs of block records, read through :class:`FastGets`."""
         if not commands:
             return []
         if not self._breaker.allow():
@@ -315,8 +321,8 @@ class RedisClusterBlocks(RemoteBlocks):
                 self._counters.error(kind)
                 self._breaker.failure()
                 return [_Failed(kind)] * len(commands)
-        tasks = [asyncio.ensure_future(self._pipeline(client, gate, [commands[i] for i in chunk]))
-                 for chunk in chunks]
+        run = self._fast_pipeline if fast else self._pipeline
+        tasks = [asyncio.ensure_future(run(client, gate, [commands[i] for i in chunk])) for chunk in chunks]
         try:
             _, pending = await asyncio.wait(tasks, timeout=deadline)
         except asyncio.CancelledError:  # our caller gave up: so do we, and the probe slot is free
@@ -407,6 +413,45 @@ class RedisClusterBlocks(RemoteBlocks):
             for command in commands:
                 pipe.execute_command(*command)
             return await pipe.execute(raise_on_error=False)
+
+    async def _fast_pipeline(self, client: RedisCluster, gate: asyncio.Semaphore,
+                             commands: list[tuple[Any, ...]]) -> list[Any]:
+        """:meth:`_pipeline` of GETs through :class:`FastGets`: one pipeline per master, all at
+        once. What the slot map cannot place, and what a node answers MOVED / ASK / TRYAGAIN
+        (a slot migrating, a failover redis-py has not seen), goes through redis-py's pipeline,
+        which follows the redirection and updates the map."""
+        async with gate:
+            nodes: dict[tuple[str, int], list[int]] = {}
+            slow: list[int] = []
+            for i, command in enumerate(commands):
+                try:
+                    node = client.nodes_manager.get_node_from_slot(key_slot(command[1]))
+                except (rx.RedisError, KeyError, IndexError):
+                    slow.append(i)
+                    continue
+                nodes.setdefault((node.host, node.port), []).append(i)
+            replies: list[Any] = [None] * len(commands)
+            got = await asyncio.gather(*(self._fast.get(node, [commands[i][1] for i in idx])
+                                         for node, idx in nodes.items()), return_exceptions=True)
+            for idx, answer in zip(nodes.values(), got):
+                if isinstance(answer, BaseException):
+                    if isinstance(answer, asyncio.CancelledError):
+                        raise answer
+                    for i in idx:
+                        replies[i] = answer
+                    continue
+                for i, reply in zip(idx, answer):
+                    if isinstance(reply, (rx.MovedError, rx.AskError, rx.TryAgainError)):
+                        slow.append(i)
+                    else:
+                        replies[i] = reply
+            if slow:
+                pipe = client.pipeline()
+                for i in slow:
+                    pipe.execute_command(*commands[i])
+                for i, reply in zip(slow, await pipe.execute(raise_on_error=False)):
+                    replies[i] = reply
+            return replies
 
     def _straggler_done(self, task: asyncio.Task[Any]) -> None:
         self._stragglers.discard(task)

@@ -166,7 +166,7 @@ class RemoteLink:
         self._namespaces: collections.deque[Namespace] = collections.deque()
         self._wake = asyncio.Event()
         self._uploader: asyncio.Task[None] | None = None
-        self._inflight: dict[BlockKey, asyncio.Future[bytes | None]] = {}
+        self._inflight: dict[BlockKey, asyncio.Future[bytes | bytearray | None]] = {}
         self._tasks: set[asyncio.Task[None]] = set()  # remote deletes of bad values
         self._limit = self.options.upload_queue_bytes
         self._idle = asyncio.Event()  # set while nothing waits for upload
@@ -258,21 +258,24 @@ class RemoteLink:
 
         Keys are fetched in chunks of about :data:`FETCH_CHUNK_BYTES`, each one call under the
         call timeout, until one comes back short: a long prefix from a slow cluster is not lost
-        to one deadline, and a dead cluster costs one timeout. A key another caller is fetching
-        already is not asked again: both wait for the one GET. A value that is not the block
-        asked for ends the run: it is counted and deleted remotely.
+        to one deadline, and a dead cluster costs one timeout. While a whole chunk is verified
+        (on the I/O pool), the next one is on the network already; it is dropped if the chunk
+        turns out bad. A key another caller is fetching already is not asked again: both wait
+        for the one GET. A value that is not the block asked for ends the run: it is counted and
+        deleted remotely.
         """
         if not self.enabled or not keys:
             return [], None
         learn = asyncio.ensure_future(self.namespace(ns_id)) if namespace is None else None
         out: list[Fetched] = []
+        block_bytes = namespace.block_payload_bytes() if namespace is not None else 0
+        step = max(1, FETCH_CHUNK_BYTES // block_bytes) if block_bytes else FETCH_FIRST_KEYS
+        chunk = keys[:step]
+        ahead: asyncio.Future[list[bytes | bytearray | None]] = asyncio.ensure_future(self._get_once(chunk))
         try:
-            block_bytes = namespace.block_payload_bytes() if namespace is not None else 0
-            step = max(1, FETCH_CHUNK_BYTES // block_bytes) if block_bytes else FETCH_FIRST_KEYS
             i = 0
-            while i < len(keys):
-                chunk = keys[i:i + step]
-                values = await self._get_once(chunk)
+            while True:
+                values = await ahead
                 if learn is not None and namespace is None:
                     namespace = await learn  # known before the first records are judged
                 run = []
@@ -280,24 +283,31 @@ class RemoteLink:
                     if value is None:
                         break
                     run.append((key, value))
+                whole, i = len(run) == len(chunk), i + len(chunk)
+                if whole and i < len(keys):
+                    if not block_bytes and namespace is not None:
+                        block_bytes = namespace.block_payload_bytes()
+                        step = max(1, FETCH_CHUNK_BYTES // block_bytes)
+                    # The next chunk's GETs overlap this one's verification.
+                    ahead = asyncio.ensure_future(self._get_once(keys[i:i + step]))
                 got = await self._judge(run, namespace)
                 out += got
-                if len(got) < len(chunk):
+                if len(got) < len(chunk) or i >= len(keys):
                     break
-                i += len(chunk)
-                if not block_bytes and namespace is not None:
-                    block_bytes = namespace.block_payload_bytes()
-                    step = max(1, FETCH_CHUNK_BYTES // block_bytes)
+                chunk = keys[i:i + step]
         finally:
+            if not ahead.done():  # a chunk fetched ahead of a bad one, or our caller gave up
+                ahead.cancel()
+                ahead.add_done_callback(_retrieved)
             if learn is not None and not learn.done():
                 learn.cancel()
         learnt = learn.result() if learn is not None and learn.done() and not learn.cancelled() else None
         return out, learnt
 
-    async def _get_once(self, keys: Sequence[BlockKey]) -> list[bytes | None]:
+    async def _get_once(self, keys: Sequence[BlockKey]) -> list[bytes | bytearray | None]:
         """``get`` of ``keys``, sharing the GET of any key another caller is fetching now."""
         mine: list[BlockKey] = []
-        futures: list[asyncio.Future[bytes | None]] = []
+        futures: list[asyncio.Future[bytes | bytearray | None]] = []
         loop = asyncio.get_running_loop()
         for key in keys:
             fut = self._inflight.get(key)
@@ -320,7 +330,7 @@ class RemoteLink:
                     fut.set_result(value)
         return [await fut for fut in futures]
 
-    async def _judge(self, run: list[tuple[BlockKey, bytes]], namespace: Namespace | None) -> list[Fetched]:
+    async def _judge(self, run: list[tuple[BlockKey, bytes | bytearray]], namespace: Namespace | None) -> list[Fetched]:
         """The verified prefix of ``run`` (on the I/O pool); the first bad value is counted and deleted."""
         if not run:
             return []
@@ -503,7 +513,8 @@ def _records(headers: Sequence[bytes], payloads: Sequence[memoryview], checksums
     return out
 
 
-def _verify_all(keys: Sequence[RemoteKey], values: Sequence[bytes], namespace: Namespace | None) -> list[Fetched | MissReason]:
+def _verify_all(keys: Sequence[RemoteKey], values: Sequence[bytes | bytearray],
+                namespace: Namespace | None) -> list[Fetched | MissReason]:
     """Judge fetched values (on the I/O pool), stopping at the first bad one."""
     out: list[Fetched | MissReason] = []
     for key, value in zip(keys, values):
@@ -517,3 +528,9 @@ def _verify_all(keys: Sequence[RemoteKey], values: Sequence[bytes], namespace: N
         out.append(Fetched(BlockKey(key.ns_id + key.chain_hash), bytes(value[:header_len]), verdict.header,
                            verdict.payload))
     return out
+
+
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    """Mark a dropped task's outcome as seen (a failure of work nobody waits for is not news)."""
+    if not task.cancelled():
+        task.exception()

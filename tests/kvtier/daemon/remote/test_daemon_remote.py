@@ -161,7 +161,7 @@ def test_a_prefix_prefilled_on_host_a_is_an_exact_hit_on_host_b(world: ManyHosts
     # Host B: its own daemon, nothing local; every full block comes from the remote tier.
     assert b.remote()["fetched_blocks"] == 0
     out = run_engine(model_dir, b, tokens)
-    assert out.loaded_tokens == FULL
+    assert out.loaded_tokens == FULL, json.dumps(b.remote())
     assert_exact(model_dir, out, tokens)
     assert out.token_ids == [result["token_ids"][0]]
     r = b.remote()

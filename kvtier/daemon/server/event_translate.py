@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import struct
+import sys
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
@@ -53,6 +54,7 @@ MAX_RUN_HASHES = 1 << 14
 _MEDIUM = {t: t.medium for t in Tier}  # one dict lookup per event instead of two properties
 _FULL, _PLACEHOLDER, _REMOVED = 0, 1, 2  # what _step made of a store event
 _STORED = EventKind.STORED
+_LITTLE = sys.byteorder == "little"
 _Step = tuple[int, Sequence[int], int | None, array | None, int, str | None]
 """What _step made of a store event: (what, hashes, parent u64, tokens, block_size, kv_cache_spec_kind)."""
 
@@ -132,10 +134,19 @@ def _units_u64(units: Sequence[bytes]) -> array | None:
         u = units[0]
         if type(u) is bytes and len(u) >= 8:
             return array("Q", (int.from_bytes(u[-8:], "big"),))
-    elif set(map(type, units)) == {bytes}:  # the usual case in C: equal-length digests, one unpack
+    elif set(map(type, units)) == {bytes}:  # the usual case in C: equal-length digests
         lengths = set(map(len, units))
         if len(lengths) == 1 and (n := lengths.pop()) >= 8:
-            return array("Q", _tails(n, len(units)).unpack(b"".join(units)))
+            if n % 8:
+                return array("Q", _tails(n, len(units)).unpack(b"".join(units)))
+            # Every digest as n/8 u64s; keep each one's last, then make it big-endian: no
+            # Python int per digest (a 256-token block of 16-token units has 16 of them).
+            words = array("Q")
+            words.frombytes(b"".join(units))
+            tails = words[n // 8 - 1::n // 8]
+            if _LITTLE:
+                tails.byteswap()
+            return tails
     out = array("Q")
     for u in units:
         if not isinstance(u, bytes) or len(u) < 8:
@@ -150,7 +161,7 @@ class Run:
 
     Attributes:
         what: 0 full BlockStored, 1 placeholder BlockStored, 2 BlockRemoved.
-        hashes: u64 event hashes, prefix order.
+        hashes: u64 event hashes, prefix order (joined in C, made ints once, by the wire form).
         parent: u64 of the first block's parent (full stores only).
         tokens: the blocks' token ids joined (full stores only; 'I', or 'Q' when one exceeds
             32 bits), an array owned by the run.
@@ -160,7 +171,7 @@ class Run:
     """
 
     what: int
-    hashes: list[int]
+    hashes: array
     parent: int | None
     tokens: array | None
     block_size: int
@@ -169,22 +180,24 @@ class Run:
 
     def wire(self, legacy: bool = False) -> dict[str, object] | list[object]:
         """The vLLM wire form (map, or legacy array): token ids as a msgpack array of ints."""
+        hashes = self.hashes.tolist()
         if self.what == _REMOVED:
-            return removed_wire(self.hashes, self.medium, GROUP_IDX, legacy)
+            return removed_wire(hashes, self.medium, GROUP_IDX, legacy)
         tokens = self.tokens.tolist() if self.tokens is not None else []
-        return stored_wire(self.hashes, self.parent, tokens, self.block_size, self.medium, GROUP_IDX, self.kind,
+        return stored_wire(hashes, self.parent, tokens, self.block_size, self.medium, GROUP_IDX, self.kind,
                            legacy)
 
     def packed(self) -> dict[str, object] | list[object]:
         """kvtier's packed form (SPEC.md §9.8): the map form with token ids as one bin of
         little-endian u32s, copied from the run's array without a Python int per id."""
+        hashes = self.hashes.tolist()
         if self.what == _REMOVED:
-            return removed_wire(self.hashes, self.medium, GROUP_IDX)
+            return removed_wire(hashes, self.medium, GROUP_IDX)
         tokens: list[int] | bytes = b""
         if self.tokens is not None:
             raw = pack_token_ids(self.tokens)
             tokens = raw if raw is not None else self.tokens.tolist()  # an id above 32 bits: an array
-        return stored_wire(self.hashes, self.parent, tokens, self.block_size, self.medium, GROUP_IDX, self.kind)
+        return stored_wire(hashes, self.parent, tokens, self.block_size, self.medium, GROUP_IDX, self.kind)
 
 
 def _translated(ev: StoreEvent, what: int, hashes: Sequence[int], parent: int | None, tokens: array | None,
@@ -316,7 +329,7 @@ class EventTranslator:
             else:
                 r_what, r_medium, r_ns, r_kind, r_bs = what, medium, ev.ns_id, kind, block_size
                 # tokens[:] copies: the run's array grows, the cached one must not
-                run = Run(what, list(hashes), parent, tokens[:] if tokens is not None else None, block_size, medium,
+                run = Run(what, array("Q", hashes), parent, tokens[:] if tokens is not None else None, block_size, medium,
                           kind)
                 out.append(run)
                 r_nh, r_nt = nh, len(tokens) if tokens is not None else 0

@@ -771,3 +771,14 @@ def test_packed_publisher_packs_event_batches_and_wire_batches_alike(zctx) -> No
     assert a[2] == b[2] == encode_batch(EventBatch(3.5, objects, 0), packed=True)
     stored = decode_batch(a[2], packed=True).events[0]
     assert isinstance(stored, BlockStored) and list(stored.token_ids) == [5, 6, 7, 1 << 31]
+
+
+@pytest.mark.parametrize("length", [8, 12, 16, 32, 64])
+@pytest.mark.parametrize("count", [1, 2, 16])
+def test_unit_digests_to_u64_equal_event_hash(length: int, count: int) -> None:
+    """The note path's C-level conversion (whole-word digests: one array, every last word
+    byte-swapped) gives what event_hash gives for each digest."""
+    rng = random.Random(length * 100 + count)
+    units = tuple(rng.randbytes(length) for _ in range(count))
+    assert event_translate._units_u64(units) == array("Q", [event_hash(u) for u in units])
+    assert event_translate._units_u64(units[:-1] + (b"short",)) is None

@@ -15,8 +15,9 @@ as a daemon's start would (damaged metadata is rebuilt from the block files, and
 the block files the metadata does not list, and verifies every record
 (:mod:`kvtier.daemon.store.disk_check`). It is refused while a daemon holds the tier.
 
-Exit status: 0 done; 1 the daemon is unreachable or refused the request (one line on stderr,
-no traceback); 2 ``check`` found problems it did not repair; argparse's 2 for bad usage.
+Exit status (one line on stderr, no traceback, for 1 and 2): 0 done; 1 the daemon is unreachable
+or failing, or ``check`` found problems it did not repair; 2 a user error (an option, file, token
+or hash to fix, a request the daemon refused as invalid), as argparse's 2 for bad usage.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 # Light: json and os; urllib is imported when a request is made.
-from kvtier.commands.rest_client import CommandError, RestClient
+from kvtier.commands.rest_client import FAILED, USER_ERROR, CommandError, RestClient
 
 DEFAULT_REST = "http://127.0.0.1:7471"
 DEFAULT_LS_LIMIT = 50
@@ -76,7 +77,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="token ids in a file: a JSON array, or integers separated by commas or spaces")
     p = add("clear", _clear, "remove every block of a namespace (needs the token)", True)
     p.add_argument("--ns", metavar="HEX", required=True, help="namespace id (32 hex digits)")
-    p = add("check", _check, "audit the index against the stored blocks (needs the token); exit 2 when "
+    p = add("check", _check, "audit the index against the stored blocks (needs the token); exit 1 when "
                              "problems remain", True)
     p.add_argument("--fix", action="store_true", help="repair what the audit finds")
     p.add_argument("--data-dir", metavar="DIR", default=None,
@@ -89,7 +90,7 @@ def _run(func: Callable[[RestClient, argparse.Namespace], int], args: argparse.N
         return func(RestClient.from_args(args), args)
     except CommandError as exc:
         print(f"kvtier: {exc}", file=sys.stderr)
-        return 1
+        return exc.status
 
 
 # --- commands --------------------------------------------------------------------------------------
@@ -249,7 +250,7 @@ def _check(rest: RestClient, args: argparse.Namespace) -> int:
             print(f"  accounting: {line}")
         for line in report.get("notes", []):
             print(f"  note: {line}")
-    return 0 if report["ok"] or report["fixed"] else 2
+    return 0 if report["ok"] or report["fixed"] else FAILED
 
 
 def _check_offline(args: argparse.Namespace) -> int:
@@ -264,12 +265,12 @@ def _check_offline(args: argparse.Namespace) -> int:
     paths = tier_paths(data_dir)
     if not paths:
         print(f"kvtier: no disk tier under {data_dir}", file=sys.stderr)
-        return 1
+        return USER_ERROR
     try:
         reports = [check_tier(p, fix=args.fix) for p in paths]
-    except KVTierError as exc:
+    except KVTierError as exc:  # e.g. a daemon holds the tier: the check could not run
         print(f"kvtier: {exc}", file=sys.stderr)
-        return 1
+        return FAILED
     if args.json:
         _print_json({"tiers": [{**dataclasses.asdict(r), "ok": r.ok} for r in reports]})
     for r in reports if not args.json else ():
@@ -285,7 +286,7 @@ def _check_offline(args: argparse.Namespace) -> int:
             for key in getattr(r, name)[:100]:
                 print(f"  {name}: {key}")
     done = all(r.ok or r.fixed or not (r.missing or r.corrupt or r.unlisted) for r in reports)
-    return 0 if done else 2
+    return 0 if done else FAILED
 
 
 # --- formatting --------------------------------------------------------------------------------------

@@ -7,8 +7,9 @@
     kvtier engine generate --model /tmp/tiny --prompt-file prompt.txt --kvtier unix:/run/kvtier/kvtier.sock
     kvtier engine bench --model /tmp/tiny --prompt-tokens 1024 --kvtier unix:/run/kvtier/kvtier.sock
 
-Exit status: 0 done; 1 a bad prompt, checkpoint or request (one line on stderr); argparse's 2
-for bad usage. A daemon that is down is not an error: the engine recomputes.
+Exit status: 0 done; 1 the daemon named by ``--kvtier`` cannot be reached; 2 a bad prompt,
+checkpoint or request, as argparse's 2 for bad usage (one line on stderr either way). The default
+daemon being down is not an error: the engine recomputes.
 """
 
 from __future__ import annotations
@@ -88,14 +89,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _guard(func: Any, args: argparse.Namespace) -> int:
-    """Run ``func``; a user error (bad prompt, checkpoint, request) is one line on stderr and exit 1."""
-    from kvtier_protocol.errors import KVTierError
+    """Run ``func``; an error is one line on stderr: exit 1 when the daemon named by ``--kvtier``
+    cannot be reached, 2 for a user error (bad prompt, checkpoint, request)."""
+    from kvtier_protocol.errors import KVTierError, Unavailable
 
     try:
         return func(args)
     except (KVTierError, ValueError, OSError) as exc:
         print(f"kvtier engine: {exc}", file=sys.stderr)
-        return 1
+        return 1 if isinstance(exc, Unavailable) else 2
 
 
 def read_prompt(text: str, *, as_text: bool, vocab_size: int) -> list[int]:

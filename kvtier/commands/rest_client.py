@@ -14,8 +14,21 @@ import os
 from typing import Any
 
 
+USER_ERROR = 2
+"""Exit status of a user error: input, option, file or token the user must fix, or a request the
+daemon refused as invalid (HTTP 4xx). The same status argparse gives for bad usage."""
+FAILED = 1
+"""Exit status of a command that could not do its work: the daemon unreachable, failing (HTTP 5xx)
+or not a kvtier daemon, or a check that found problems."""
+
+
 class CommandError(Exception):
-    """A failure to report as one line on stderr (exit status 1), without a traceback."""
+    """A failure to report as one line on stderr, without a traceback; ``status`` is the exit status
+    (:data:`USER_ERROR` unless the daemon, not the user, is the problem: :data:`FAILED`)."""
+
+    def __init__(self, message: str, status: int = USER_ERROR) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 _ANY_HOST = {"0.0.0.0": "127.0.0.1", "::": "[::1]", "[::]": "[::1]"}
@@ -140,11 +153,11 @@ class RestClient:
             answer = _decode(exc.read(), self.base, strict=False)
             if exc.code in ok_statuses and isinstance(answer, dict):
                 return answer
-            raise CommandError(self._refusal(exc.code, answer)) from None
+            raise CommandError(self._refusal(exc.code, answer), FAILED if exc.code >= 500 else USER_ERROR) from None
         except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
             reason = getattr(exc, "reason", None) or exc
             raise CommandError(f"cannot reach the kvtier daemon at {self.base} ({reason}); "
-                               f"is `kvtier serve` running?") from None
+                               f"is `kvtier serve` running?", FAILED) from None
 
     def _refusal(self, status: int, answer: Any) -> str:
         err = answer.get("error") if isinstance(answer, dict) else None
@@ -171,7 +184,7 @@ def _decode(raw: bytes, base: str, *, strict: bool = True) -> Any:
     except ValueError:
         if not strict:
             return None
-        raise CommandError(f"{base} did not answer JSON; is it a kvtier daemon?") from None
+        raise CommandError(f"{base} did not answer JSON; is it a kvtier daemon?", FAILED) from None
 
 
 def _load_config(path: str | None, env: dict[str, str]) -> Any:

@@ -120,10 +120,10 @@ async def test_inspect(tmp_path, capsys):
         assert fields["hash"] == keys[1].hex() and fields["parent"] == keys[0].hex()
         assert fields["tiers"] == '["host"]' and fields["header.layout"] == "canonical"
         assert fields["header.shape"] == "[1, 2, 1, 16, 64]"
-        assert await kvtier("inspect", "--rest", url, NS_HEX, "ab/../cd") == 1  # quoted: stays one path part
+        assert await kvtier("inspect", "--rest", url, NS_HEX, "ab/../cd") == 2  # quoted: stays one path part
         err = capsys.readouterr().err
         assert err.startswith("kvtier: invalid_key:") and err.count("\n") == 1
-        assert await kvtier("inspect", "--rest", url, NS_HEX, "ab" * 32) == 1
+        assert await kvtier("inspect", "--rest", url, NS_HEX, "ab" * 32) == 2
         assert capsys.readouterr().err.startswith("kvtier: not_found:")
 
 
@@ -141,16 +141,16 @@ async def test_lookup(tmp_path, capsys):
         assert found["hit_tokens"] == 192 and found["per_tier"] == {"disk": 64, "host": 128}
         assert await kvtier("lookup", "--rest", url, "--ns", NS_HEX, "--tokens-file", str(as_text)) == 0
         assert capsys.readouterr().out.startswith("hit 96 of 100 tokens")
-        assert await kvtier("lookup", "--rest", url, "--ns", "00" * 16, "--tokens", "1,2") == 1
+        assert await kvtier("lookup", "--rest", url, "--ns", "00" * 16, "--tokens", "1,2") == 2
         assert capsys.readouterr().err.startswith("kvtier: not_found: namespace")
-        assert await kvtier("lookup", "--rest", url, "--ns", NS_HEX, "--tokens", "1,x") == 1
+        assert await kvtier("lookup", "--rest", url, "--ns", NS_HEX, "--tokens", "1,x") == 2
         assert "integers" in capsys.readouterr().err
 
 
 async def test_clear_needs_the_token(tmp_path, capsys, monkeypatch):
     async with daemon(tmp_path) as (ctx, url):
         await put_tokens(ctx.store, tokens_for(3))
-        assert await kvtier("clear", "--rest", url, "--ns", NS_HEX) == 1
+        assert await kvtier("clear", "--rest", url, "--ns", NS_HEX) == 2
         err = capsys.readouterr().err
         assert err.startswith("kvtier: unauthorized:") and "--token-file" in err and TOKEN not in err
         token_file = tmp_path / "my-token"
@@ -182,7 +182,7 @@ async def test_check(tmp_path, capsys):
         assert await kvtier("check", "--rest", url, "--token-file", str(token_file)) == 0
         assert capsys.readouterr().out.startswith("no problems found (missing 0,")
         ctx.store.disk.delete_many([NS.ns_id + keys[0]])  # a disk-only block loses its record
-        assert await kvtier("check", "--rest", url, "--token-file", str(token_file)) == 2
+        assert await kvtier("check", "--rest", url, "--token-file", str(token_file)) == 1
         out = capsys.readouterr().out
         assert "kvtier check --fix" in out and f"missing: {NS_HEX}/{keys[0].hex()}" in out
         assert await kvtier("check", "--rest", url, "--token-file", str(token_file), "--fix", "--json") == 0
@@ -201,7 +201,7 @@ async def test_check_finds_block_files_the_metadata_does_not_list(tmp_path, caps
         fid = 0x7777
         shutil.copyfile(src, src.parent.parent / f"{fid & 0xFF:02x}" / f"{fid:016x}")
         disk.delete_many([key])
-        assert await kvtier("check", "--rest", url, "--token-file", str(token_file)) == 2
+        assert await kvtier("check", "--rest", url, "--token-file", str(token_file)) == 1
         out = capsys.readouterr().out
         assert f"orphans: {NS_HEX}/{keys[0].hex()}" in out and f"missing: {NS_HEX}/{keys[0].hex()}" in out
         assert await kvtier("check", "--rest", url, "--token-file", str(token_file), "--fix", "--json") == 0
@@ -232,7 +232,7 @@ def test_check_offline_reports_a_rebuild_and_corrupt_records(tmp_path, capsys):
     with DiskTier(data_dir / "disk", 1 << 30) as d:  # one record's file cut short
         os.truncate(d.file_path(make_key(recs[3].ns_id, recs[3].chain_hash)), 4096)
     args = parse(["check", "--data-dir", str(data_dir / "disk"), "--json"])
-    assert args.func(args) == 2
+    assert args.func(args) == 1  # problems found
     (tier,) = json.loads(capsys.readouterr().out)["tiers"]
     assert tier["corrupt"] == [make_key(recs[3].ns_id, recs[3].chain_hash).hex()] and tier["repair"] is None
     args = parse(["check", "--data-dir", str(data_dir), "--fix"])
@@ -240,9 +240,9 @@ def test_check_offline_reports_a_rebuild_and_corrupt_records(tmp_path, capsys):
     assert "problems repaired (39 records" in capsys.readouterr().out
 
 
-def test_check_offline_without_a_tier_or_while_a_daemon_holds_it_is_one_line_and_exit_1(tmp_path, capsys):
+def test_check_offline_without_a_tier_is_exit_2_and_while_a_daemon_holds_it_exit_1_one_line(tmp_path, capsys):
     args = parse(["check", "--data-dir", str(tmp_path / "nothing")])
-    assert args.func(args) == 1
+    assert args.func(args) == 2
     assert capsys.readouterr().err == f"kvtier: no disk tier under {tmp_path / 'nothing'}\n"
     _tier_with_records(tmp_path / "data" / "disk", 2)
     with DiskTier(tmp_path / "data" / "disk", 1 << 30):

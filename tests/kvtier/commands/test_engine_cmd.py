@@ -95,12 +95,12 @@ def test_bench_reports_each_figure(model_dir: Path, kvtier_daemon, capsys) -> No
 def test_bad_prompts_are_one_line_errors(model_dir: Path, tmp_path: Path, capsys) -> None:
     f = tmp_path / "bad.txt"
     f.write_text("1 2 three")
-    assert kvtier("engine", "generate", "--model", str(model_dir), "--prompt-file", str(f)) == 1
+    assert kvtier("engine", "generate", "--model", str(model_dir), "--prompt-file", str(f)) == 2
     assert "'three' is not a token id (use --text" in capsys.readouterr().err
     f.write_text("1 999")
-    assert kvtier("engine", "generate", "--model", str(model_dir), "--prompt-file", str(f)) == 1
+    assert kvtier("engine", "generate", "--model", str(model_dir), "--prompt-file", str(f)) == 2
     assert "outside the model's vocabulary of 256" in capsys.readouterr().err
-    assert kvtier("engine", "generate", "--model", str(tmp_path / "none"), "--prompt-file", str(f)) == 1
+    assert kvtier("engine", "generate", "--model", str(tmp_path / "none"), "--prompt-file", str(f)) == 2
     assert capsys.readouterr().err.startswith("kvtier engine: ")
 
 

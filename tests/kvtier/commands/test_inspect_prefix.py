@@ -44,22 +44,22 @@ async def test_a_unique_prefix_names_one_block(tmp_path, capsys):
 async def test_an_ambiguous_prefix_lists_a_few_matches_and_how_many_more(tmp_path, capsys):
     async with daemon(tmp_path) as (ctx, url):
         await store_all(ctx.store)
-        assert await kvtier("inspect", "--rest", url, NS_HEX, "abcd") == 1
+        assert await kvtier("inspect", "--rest", url, NS_HEX, "abcd") == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("kvtier: invalid_key: hash prefix abcd is ambiguous: 8 blocks")
         shown = [h.hex() for h in HASHES[:MAX_LISTED_MATCHES]]
         assert all(s in err for s in shown) and HASHES[MAX_LISTED_MATCHES].hex() not in err
         assert f"and {8 - MAX_LISTED_MATCHES} more" in err
-        assert await kvtier("inspect", "--rest", url, NS_HEX, "abcd0") == 1  # abcd01.., abcd02.., ...: all 8 again
+        assert await kvtier("inspect", "--rest", url, NS_HEX, "abcd0") == 2  # abcd01.., abcd02.., ...: all 8 again
         assert "8 blocks match" in capsys.readouterr().err
 
 
 async def test_no_match_and_bad_prefixes_are_one_line(tmp_path, capsys):
     async with daemon(tmp_path) as (ctx, url):
         await store_all(ctx.store)
-        assert await kvtier("inspect", "--rest", url, NS_HEX, "ffff") == 1
+        assert await kvtier("inspect", "--rest", url, NS_HEX, "ffff") == 2
         assert capsys.readouterr().err.startswith("kvtier: not_found: no block of namespace")
         for bad in ("abc", "abcx", "ab" * 33):
-            assert await kvtier("inspect", "--rest", url, NS_HEX, bad) == 1
+            assert await kvtier("inspect", "--rest", url, NS_HEX, bad) == 2
             err = capsys.readouterr().err
             assert err.startswith("kvtier: invalid_key: hash must be 64 hex digits, or a unique prefix"), err

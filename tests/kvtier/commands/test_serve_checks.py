@@ -84,7 +84,7 @@ def test_a_kvtier_token_naming_a_file_is_refused(tmp_path: Path, monkeypatch, ca
     assert err.count("\n") == 1 and f"set KVTIER_TOKEN_FILE={token_file}" in err
     assert not (tmp_path / "data").exists()  # refused before anything was made
     args = parse("ls", "--rest", "127.0.0.1:9")
-    assert args.func(args) == 1
+    assert args.func(args) == 2  # a user error: the token to fix
     assert capsys.readouterr().err == (f"kvtier: KVTIER_TOKEN (auth.token) holds the token itself, but its value "
                                        f"names the file {token_file}; set KVTIER_TOKEN_FILE={token_file} (or pass "
                                        f"--token-file) instead\n")

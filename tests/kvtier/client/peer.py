@@ -23,6 +23,8 @@ from kvtier_protocol import frames as F
 from kvtier_protocol.errors import InvalidRequest, KVTierError, LeaseError, Unauthorized
 from kvtier_protocol.header import decode_header, split_record, verify_payload
 
+from tests.kvtier.waitkit import PATIENCE_S
+
 
 class Peer:
     """Toy daemon on ``unix_path`` and 127.0.0.1:``tcp_port``."""
@@ -45,6 +47,9 @@ class Peer:
         self.arrivals: list[str] = []  # ops of the requests after hello, in the order they were read
         self.delays: dict[str, float] = {}  # op -> seconds to wait before answering
         self.gates: dict[str, threading.Event] = {}  # op -> answered only once the test sets it
+        # op -> answered only once this many requests were in flight at once (or after PATIENCE_S,
+        # so that a client that never overlaps them fails the test's assert instead of hanging)
+        self.overlap: dict[str, int] = {}
         self.stalled = threading.Event()  # set: requests after hello are never answered
         self.drop_on: set[str] = set()  # ops whose next request aborts the connection unanswered
         self.last: dict[str, Any] = {}  # the last valid request of each op
@@ -147,6 +152,12 @@ class Peer:
             writer.write(data)
         return True
 
+    async def _overlapped(self, want: int) -> None:
+        """Wait until ``want`` requests were answered at once (see :attr:`overlap`)."""
+        deadline = self.loop.time() + PATIENCE_S
+        while self.most_inflight < want and self.loop.time() < deadline:
+            await asyncio.sleep(0.005)
+
     async def _answer(self, frame: F.Frame, writer: asyncio.StreamWriter, unix: bool, owned: set[int]) -> None:
         op = frame.op or "?"
         self.ops[op] += 1
@@ -167,6 +178,7 @@ class Peer:
             gate = self.gates.get(op)
             while gate is not None and not gate.is_set():
                 await asyncio.sleep(0.005)
+            await self._overlapped(self.overlap.get(op, 0))
         finally:
             self.inflight -= 1
         try:

@@ -49,7 +49,7 @@ def _save_load(address: str, blocks: list[tuple[bytes, bytes]], driver: str,
 @pytest.mark.parametrize("driver", ["sync", "aio"])
 def test_many_sub_batches_travel_while_the_client_copies(peer: Peer, driver: str) -> None:
     blocks = make_blocks(24, BLOCK, tag=driver.encode())
-    peer.delays.update(commit=0.02, acquire=0.02)  # answers lag: only a pipeline keeps several waiting
+    peer.overlap["commit"] = 3  # a commit is answered once three requests wait at once: only a pipeline gets there
     saved, loaded = _save_load(peer.unix_path, blocks, driver)
     assert saved == ["stored"] * 24
     assert loaded == [r for _, r in blocks]  # in order, whole and verified

@@ -358,10 +358,21 @@ def _ints(name: str, value: Any, limits: EventLimits) -> tuple[int, ...]:
     return tuple(_int(name, t) for t in items)  # names the offending element
 
 
+def _u64s(items: list[Any]) -> bool:
+    """Whether every element is an int in [0, 2**64), in C: ``array('Q')`` refuses anything
+    else but bools, which the set test turns away (u64 sums leave the fast path of ``sum``)."""
+    try:
+        array("Q", items)
+    except (TypeError, OverflowError):
+        return False
+    return _BOOLS.isdisjoint(items) or set(map(type, items)) <= {int}
+
+
 def _hashes(name: str, value: Any, limits: EventLimits) -> tuple[EventHash, ...]:
-    """Block hashes as a tuple: the all-u64/i64 case in C-level passes (types, min, max)."""
+    """Block hashes as a tuple: the all-u64 case (kvtier, vLLM) and the all-i64 case (SGLang)
+    in C-level passes (types, range)."""
     items = _list(name, value, limits)
-    if _all_ints(items) and (not items or (min(items) >= _HASH_MIN and max(items) <= _HASH_MAX)):
+    if _u64s(items) or (_all_ints(items) and (not items or (min(items) >= _HASH_MIN and max(items) <= _HASH_MAX))):
         return tuple(items)
     return tuple(_hash(name, h) for h in items)
 

@@ -21,9 +21,10 @@ One store event becomes one per-block event (:class:`Translated`):
 ``group_idx=0`` with a ``kv_cache_spec_kind`` follows SPEC.md §9.5 and its ``map_tiers`` vector
 (vLLM's OffloadingConnector does the same); llm-d accepts it because ``len(token_ids) ==
 len(block_hashes) * block_size`` holds for full events and placeholders alike.
-:meth:`EventTranslator.translate_wire` joins consecutive per-block events into vLLM-style runs
-and builds their wire form directly; :meth:`EventTranslator.translate` gives the per-block
-objects (SSE).
+:meth:`EventTranslator.translate_runs` joins consecutive per-block events into vLLM-style runs
+(:class:`Run`, token ids and hashes still arrays), each of which gives its vLLM wire form
+(:meth:`Run.wire`, what :meth:`EventTranslator.translate_wire` returns) or kvtier's packed form
+(:meth:`Run.packed`, SPEC.md §9.8); :meth:`EventTranslator.translate` gives the per-block objects (SSE).
 """
 
 from __future__ import annotations

@@ -61,7 +61,8 @@ def raw_payload(record: bytes, *, layout: str, shape: tuple[int, ...], dtype: st
         h, payload = split_record(record)
     except KVTierError:
         return None  # the decoding path reports why
-    if h.codec != "raw" or h.layout != layout or tuple(h.shape) != shape or h.dtype != dtype:
+    if (h.codec != "raw" or h.compression is not None or h.layout != layout or tuple(h.shape) != shape
+            or h.dtype != dtype):
         return None
     if payload.nbytes != math.prod(shape) * DTYPE_SIZES[dtype]:
         return None
@@ -92,14 +93,16 @@ def decode_stacked(ns: Namespace, records: Sequence[tuple[int, bytes]], dtype: t
         try:
             h, payload = split_record(record)
             want = expected_shape(ns, h.layout)
-            # load() verified the checksum on exactly these bytes: do not hash them twice
-            item = payload if h.codec == "raw" else decode_block(record, device=device, verify=False)[1]
-            got = (tuple(h.shape), torch_dtype(h.dtype)) if h.codec == "raw" else (tuple(item.shape), item.dtype)
+            # load() verified the checksum on exactly these bytes: do not hash them twice. Raw and
+            # uncompressed: the payload is the block's bytes; anything else is decoded (codec, lz4).
+            plain = h.codec == "raw" and h.compression is None
+            item = payload if plain else decode_block(record, device=device, verify=False)[1]
+            got = (tuple(h.shape), torch_dtype(h.dtype)) if plain else (tuple(item.shape), item.dtype)
         except KVTierError as exc:
             bad, why = at, f"does not decode ({exc.code}: {exc.message})"
             break
         size = math.prod(want) * DTYPE_SIZES[h.dtype]
-        if got != (want, dtype) or (h.codec == "raw" and payload.nbytes != size):
+        if got != (want, dtype) or (plain and payload.nbytes != size):
             bad, why = at, f"is {h.dtype} {got[0]} in {h.layout}, expected {dtype} {want}"
             break
         found.setdefault(h.layout, []).append((at, item))

@@ -15,6 +15,7 @@ from kvtier.connector import KVConnectorCore
 from kvtier.connector.pages import gather_block
 from kvtier_protocol.block import encode_block
 from kvtier_protocol.errors import InvalidRequest, LayoutError, Unavailable
+from kvtier_protocol.header import split_record
 from kvtier_protocol.layouts import convert
 from tests.kvtier.client.clientkit import short_timeout
 from tests.kvtier.client.peer import Peer
@@ -172,6 +173,27 @@ def test_fetch_into_copies_raw_blocks_and_decodes_other_layouts(kvtier_daemon_mo
         tensors.fetch_into(hashes, out.float())
     with pytest.raises(InvalidRequest, match="contiguous CPU"):
         tensors.fetch_into(hashes[:2], out)
+
+
+def test_lz4_compressed_raw_blocks_load_exactly(kvtier_daemon_module: KvtierDaemon, cores: list) -> None:
+    # Another writer stored raw blocks with the lz4 stage (SPEC 4.8): every way of loading them
+    # decompresses and lands the same bytes as an uncompressed copy would (they were a miss).
+    ns = make_ns("mha", kv_dtype="bfloat16")
+    writer = connect(cores, kvtier_daemon_module, ns, "vllm-flash", caches=make_caches(ns, "vllm-flash", seed=41))
+    reader = connect(cores, kvtier_daemon_module, ns, "vllm-flash", caches=make_caches(ns, "vllm-flash", seed=None))
+    hashes = writer.block_hashes(tokens(3 * ns.block_tokens, seed=42))
+    want = blocks_of(writer, [0, 1, 2])
+    records = [(hashes[i], encode_block(want[i], ns_id=ns.ns_id, chain_hash=hashes[i],
+                                        parent_hash=hashes[i - 1] if i else None, layout="vllm-flash",
+                                        compression="lz4")) for i in range(3)]
+    assert split_record(records[0][1])[0].compression is not None
+    assert writer.client.save(ns.ns_id, records) == ["stored"] * 3
+    assert reader.load(hashes, [4, 5, 6]) == 3
+    assert all(torch.equal(a, b) for a, b in zip(blocks_of(reader, [4, 5, 6]), want))
+    canonical = [convert(b, "vllm-flash", "canonical") for b in want]
+    assert all(torch.equal(a, b) for a, b in zip(reader.fetch(hashes), canonical))
+    out = torch.zeros((3, *canonical[0].shape), dtype=torch.bfloat16)
+    assert reader.fetch_into(hashes, out) == 3 and all(torch.equal(out[i], canonical[i]) for i in range(3))
 
 
 @pytest.mark.parametrize(("attention", "layout", "dtype", "codec"), [("mha", "vllm-flash", "bfloat16", "int8"),

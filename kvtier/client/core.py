@@ -53,7 +53,7 @@ from kvtier_protocol.errors import FrameError, Unavailable
 
 from kvtier.client.behind import LateErrors
 from kvtier.client.errors import ConnectionLost
-from kvtier.client.load import prepare_load, prepare_load_into
+from kvtier.client.load import lossy_keys, prepare_load, prepare_load_into
 from kvtier.client.options import ClientOptions
 from kvtier.client.records import check_hashes, check_ns_id
 from kvtier.client.retry import Holddown
@@ -172,19 +172,24 @@ class ClientCore:
 
     # -- operations --------------------------------------------------------------------------
 
-    def lookup(self, ns_id: bytes, hashes: Sequence[bytes], *, degrade: bool = True) -> LookupResult:
+    def lookup(self, ns_id: bytes, hashes: Sequence[bytes], *, degrade: bool = True,
+               accept_lossy: bool | None = None) -> LookupResult:
         """How many of ``hashes``, from the first, are stored, and the tier of each hit.
 
         Args:
             ns_id: the namespace id (16 bytes).
             hashes: chain hashes of consecutive blocks of a prefix, first first.
             degrade: an unavailable daemon answers no hits instead of raising.
+            accept_lossy: False: count exact copies only (a block stored lossily, e.g. re-encoded
+                int8 on the daemon's disk tier, is a miss); None: the daemon's default (True
+                unless its operator configured otherwise). The same keyword on the loads.
 
         Raises:
             Unavailable: the daemon is unreachable or silent (only with ``degrade=False``).
             InvalidKey: a malformed ns_id or hash.
         """
-        return self._run(Job(partial(_prepare_keys, lookup_flow, ns_id, hashes), idempotent=True,
+        flow = lookup_flow if accept_lossy is None else partial(lookup_flow, accept_lossy=accept_lossy)
+        return self._run(Job(partial(_prepare_keys, flow, ns_id, hashes), idempotent=True,
                              degrade=degrade, fallback=NO_HITS))
 
     def save(self, ns_id: bytes, blocks: Sequence[tuple[bytes, bytes]], *,
@@ -207,7 +212,8 @@ class ClientCore:
                                      unit_hashes=unit_hashes, priority=priority),
                              idempotent=False))
 
-    def load(self, ns_id: bytes, hashes: Sequence[bytes], *, degrade: bool = True) -> list[bytes]:
+    def load(self, ns_id: bytes, hashes: Sequence[bytes], *, degrade: bool = True,
+             accept_lossy: bool | None = None) -> list[bytes]:
         """The whole records of the stored prefix of ``hashes`` (shorter on a miss).
 
         Each record is checked against its checksums and key; a failing one counts as a miss.
@@ -215,11 +221,11 @@ class ClientCore:
         Raises:
             Unavailable: the daemon is unreachable or silent (only with ``degrade=False``).
         """
-        return self._run(Job(partial(prepare_load, ns_id, hashes), idempotent=True, degrade=degrade,
+        return self._run(Job(partial(prepare_load, ns_id, hashes, accept_lossy), idempotent=True, degrade=degrade,
                              fallback=[]))
 
     def load_into(self, ns_id: bytes, hashes: Sequence[bytes], buffers: Sequence[Any], *,
-                  degrade: bool = True) -> list[BlockHeader]:
+                  degrade: bool = True, accept_lossy: bool | None = None) -> list[BlockHeader]:
         """Copy the payloads of the stored prefix of ``hashes`` into ``buffers``, one per key.
 
         Cheaper than :meth:`load`: no record is allocated, and each payload is verified (xxh3-64)
@@ -237,7 +243,7 @@ class ClientCore:
                 than its block's payload (the blocks before it are copied).
             Unavailable: the daemon is unreachable or silent (only with ``degrade=False``).
         """
-        return self._run(Job(partial(prepare_load_into, ns_id, hashes, buffers), idempotent=True,
+        return self._run(Job(partial(prepare_load_into, ns_id, hashes, buffers, accept_lossy), idempotent=True,
                              degrade=degrade, fallback=[]))
 
     def save_tensors(self, ns: Namespace, hashes: Sequence[bytes], tensors: Sequence[torch.Tensor], *,
@@ -255,11 +261,11 @@ class ClientCore:
         return self._run(Job(prepare, idempotent=False))
 
     def load_tensors(self, ns: Namespace, hashes: Sequence[bytes], *, layout: str | None = None,
-                     device: Any = "cpu", degrade: bool = True) -> list[torch.Tensor]:
+                     device: Any = "cpu", degrade: bool = True, accept_lossy: bool | None = None) -> list[torch.Tensor]:
         """:meth:`load` the stored prefix of ``hashes`` and decode each block into a tensor."""
         def decode(records: list[bytes]) -> list[torch.Tensor]:
             return decode_blocks(records, layout=layout, device=device) if records else []
-        return self._run(Job(partial(prepare_load, ns.ns_id, hashes), idempotent=True, degrade=degrade,
+        return self._run(Job(partial(prepare_load, ns.ns_id, hashes, accept_lossy), idempotent=True, degrade=degrade,
                              fallback=[], then=decode))
 
     def delete(self, ns_id: bytes, hashes: Sequence[bytes]) -> int:
@@ -318,11 +324,11 @@ def _batches(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
         yield items[start:start + size]
 
 
-def lookup_flow(s: Session, ns_id: bytes, hashes: list[bytes]) -> Flow[LookupResult]:
+def lookup_flow(s: Session, ns_id: bytes, hashes: list[bytes], accept_lossy: bool | None = None) -> Flow[LookupResult]:
     """Lookup in batches of ``max_batch``, stopping at the first batch with a miss."""
     tiers: list[str] = []
     for chunk in _batches(hashes, s.limits.max_batch):
-        r = yield Call("lookup", {"ns_id": ns_id, "hashes": list(chunk)})
+        r = yield Call("lookup", {"ns_id": ns_id, "hashes": list(chunk), **lossy_keys(accept_lossy)})
         if r.num_hits > len(chunk):
             raise FrameError(f"lookup answered {r.num_hits} hits for {len(chunk)} keys")
         tiers.extend(r.tiers)

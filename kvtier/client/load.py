@@ -73,17 +73,19 @@ ACQUIRE_HEADER_BUDGET = 4096
 batch never exceeds the daemon's ``max_header_len``."""
 
 
-def prepare_load(ns_id: bytes, hashes: Sequence[bytes]) -> FlowFactory:
+def prepare_load(ns_id: bytes, hashes: Sequence[bytes], accept_lossy: bool | None = None) -> FlowFactory:
     """Check a load's arguments (nothing is sent); returns what starts its flow on a session.
+    ``accept_lossy``: sent with each acquire/get when not None (:func:`lossy_keys`).
 
     Raises:
         InvalidKey: a malformed ns_id or hash.
     """
     ns_id, keys = check_ns_id(ns_id), check_hashes(hashes)
-    return lambda s: load_flow(s, ns_id, keys)
+    return lambda s: load_flow(s, ns_id, keys, accept_lossy)
 
 
-def prepare_load_into(ns_id: bytes, hashes: Sequence[bytes], buffers: Sequence[Any]) -> FlowFactory:
+def prepare_load_into(ns_id: bytes, hashes: Sequence[bytes], buffers: Sequence[Any],
+                      accept_lossy: bool | None = None) -> FlowFactory:
     """Check a load_into's arguments (nothing is sent); returns what starts its flow on a session.
 
     Raises:
@@ -92,30 +94,37 @@ def prepare_load_into(ns_id: bytes, hashes: Sequence[bytes], buffers: Sequence[A
     """
     ns_id, keys = check_ns_id(ns_id), check_hashes(hashes)
     dests = check_buffers(buffers, len(keys))
-    return lambda s: load_into_flow(s, ns_id, keys, dests)
+    return lambda s: load_into_flow(s, ns_id, keys, dests, accept_lossy)
+
+
+def lossy_keys(accept_lossy: bool | None) -> dict[str, bool]:
+    """The optional ``accept_lossy`` request key (SPEC 7.4, issue 25): absent when None (the
+    daemon's default; what daemons before the key expect), else true or false."""
+    return {} if accept_lossy is None else {"accept_lossy": accept_lossy}
 
 
 # -- load: whole records ------------------------------------------------------------------------
 
 
-def load_flow(s: Session, ns_id: bytes, hashes: list[bytes]) -> Flow[list[bytes]]:
+def load_flow(s: Session, ns_id: bytes, hashes: list[bytes], accept_lossy: bool | None = None) -> Flow[list[bytes]]:
     """Load the stored prefix of ``hashes`` as whole, verified records."""
     shm = s.shm
     if shm is None:
         return (yield from fetch_flow(s, ns_id, hashes,
-                                      lambda i, key, record: verified_record(ns_id, key, record)))
+                                      lambda i, key, record: verified_record(ns_id, key, record), accept_lossy))
     return (yield from acquire_flow(s, ns_id, hashes, lambda i, key, slot, header, checked: verified_record(
-        ns_id, key, shm.read_record(header, slot), payload_checked=checked)))
+        ns_id, key, shm.read_record(header, slot), payload_checked=checked), accept_lossy=accept_lossy))
 
 
-def fetch_flow(s: Session, ns_id: bytes, hashes: list[bytes], take: TakeRecord[T]) -> Flow[list[T]]:
+def fetch_flow(s: Session, ns_id: bytes, hashes: list[bytes], take: TakeRecord[T],
+               accept_lossy: bool | None = None) -> Flow[list[T]]:
     """get (records inline) → ``take(i, key, record)`` per returned record (None: corrupt, the
     prefix ends there). TCP."""
     out: list[T] = []
     pos = 0
     while pos < len(hashes):
         chunk = hashes[pos:pos + s.limits.max_batch]
-        r = yield Call("get", {"ns_id": ns_id, "hashes": chunk})
+        r = yield Call("get", {"ns_id": ns_id, "hashes": chunk, **lossy_keys(accept_lossy)})
         expect_len("get", r.lens, len(chunk))
         found, corrupt = 0, False
         for i, (key, record) in enumerate(zip(chunk, r.records()), pos):
@@ -139,7 +148,8 @@ def fetch_flow(s: Session, ns_id: bytes, hashes: list[bytes], take: TakeRecord[T
 
 
 def acquire_flow(s: Session, ns_id: bytes, hashes: list[bytes], take: TakeSlot[T],
-                 sizes: Sequence[int] | None = None, settle: Callable[[], None] | None = None) -> Flow[list[T]]:
+                 sizes: Sequence[int] | None = None, settle: Callable[[], None] | None = None, *,
+                 accept_lossy: bool | None = None) -> Flow[list[T]]:
     """acquire → ``take(i, key, slot, header, checked)`` per leased block (i: index in
     ``hashes``; None ends the prefix: a miss) → ``settle()`` → release (also after an error), per
     sub-batch; pipelined, the next acquire travels while this one is copied. Unix socket only.
@@ -154,7 +164,7 @@ def acquire_flow(s: Session, ns_id: bytes, hashes: list[bytes], take: TakeSlot[T
     if not hashes:
         return out
     pos, count = 0, _first_count(s, limit, sizes)
-    ahead: Ticket | None = yield _acquire(s, ns_id, hashes[:count])
+    ahead: Ticket | None = yield _acquire(s, ns_id, hashes[:count], accept_lossy)
     while ahead is not None:
         chunk = hashes[pos:pos + count]
         r = yield Await(ahead)
@@ -167,7 +177,7 @@ def acquire_flow(s: Session, ns_id: bytes, hashes: list[bytes], take: TakeSlot[T
             if nxt < len(hashes) and all(slot is not None for slot in r.slots):
                 count = _next_count(s, limit, r)
                 if piped:  # the daemon leases the next sub-batch while this one is copied
-                    ahead = yield _acquire(s, ns_id, hashes[nxt:nxt + count])
+                    ahead = yield _acquire(s, ns_id, hashes[nxt:nxt + count], accept_lossy)
             checked = r.verified if s.trust_checked and r.verified is not None else (False,) * len(chunk)
             for i, (key, slot, header, ok) in enumerate(zip(chunk, r.slots, r.headers, checked), pos):
                 item = None if slot is None else take(i, key, slot, header, ok)
@@ -190,12 +200,13 @@ def acquire_flow(s: Session, ns_id: bytes, hashes: list[bytes], take: TakeSlot[T
             break  # a miss: an acquire still in flight is forgotten (released) by the driver
         pos += len(chunk)
         if ahead is None and not piped and pos < len(hashes):
-            ahead = yield _acquire(s, ns_id, hashes[pos:pos + count])
+            ahead = yield _acquire(s, ns_id, hashes[pos:pos + count], accept_lossy)
     return out
 
 
-def _acquire(s: Session, ns_id: bytes, chunk: Sequence[bytes]) -> Call:
-    return Call("acquire", {"ns_id": ns_id, "hashes": list(chunk), "lease_ms": s.lease_ms}, wait=False)
+def _acquire(s: Session, ns_id: bytes, chunk: Sequence[bytes], accept_lossy: bool | None = None) -> Call:
+    return Call("acquire", {"ns_id": ns_id, "hashes": list(chunk), "lease_ms": s.lease_ms, **lossy_keys(accept_lossy)},
+                wait=False)
 
 
 def _next_count(s: Session, limit: int, r: Any) -> int:
@@ -282,7 +293,7 @@ def _checked(h: BlockHeader, digest: int) -> BlockHeader | None:
 
 
 def load_into_flow(s: Session, ns_id: bytes, hashes: list[bytes],
-                   dests: list[memoryview]) -> Flow[list[BlockHeader]]:
+                   dests: list[memoryview], accept_lossy: bool | None = None) -> Flow[list[BlockHeader]]:
     """Copy the payloads of the stored prefix of ``hashes`` into ``dests`` (one per key);
     returns the headers of the blocks copied and verified, first first."""
     if s.shm is None:
@@ -296,7 +307,7 @@ def load_into_flow(s: Session, ns_id: bytes, hashes: list[bytes],
                 log.warning("daemon returned a record of another key for %s; treated as a miss", key.hex())
                 return None
             return _checked(h, copy_hashed(payload, _dest(dests, i, h)))
-        return (yield from fetch_flow(s, ns_id, hashes, take_record))
+        return (yield from fetch_flow(s, ns_id, hashes, take_record, accept_lossy))
     shm = s.shm
     slots: list[SlotRef] = []  # checked blocks of the current sub-batch, copied by settle()
     into: list[memoryview] = []
@@ -317,4 +328,5 @@ def load_into_flow(s: Session, ns_id: bytes, hashes: list[bytes],
         finally:
             slots.clear()
             into.clear()
-    return (yield from acquire_flow(s, ns_id, hashes, take_slot, [d.nbytes for d in dests], settle))
+    return (yield from acquire_flow(s, ns_id, hashes, take_slot, [d.nbytes for d in dests], settle,
+                                    accept_lossy=accept_lossy))

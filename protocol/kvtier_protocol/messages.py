@@ -139,8 +139,15 @@ def unit_hash_lists(name: str, value: Any,
     return _per_key(name, value, limits, lambda h: binary(name, h, MIN_HASH_LEN, MAX_HASH_LEN))
 
 
+def boolean(name: str, value: Any, limits: Limits) -> bool:
+    """A msgpack true or false (an integer is not a boolean here)."""
+    if not isinstance(value, bool):
+        raise InvalidRequest(f"{name} is true or false, got {type(value).__name__}")
+    return value
+
+
 # Registered with the other checkers so that a key name keeps one meaning in every message.
-CHECKERS.update(tokens=token_lists, unit_hashes=unit_hash_lists)
+CHECKERS.update(tokens=token_lists, unit_hashes=unit_hash_lists, accept_lossy=boolean)
 
 
 def check_token_info(op: str, num_keys: int, tokens: tuple[tuple[int, ...] | None, ...] | None,
@@ -190,6 +197,9 @@ class LookupRequest(Message):
     id: int
     ns_id: bytes
     hashes: tuple[bytes, ...]
+    # Optional (SPEC 7.4, issue 25): false counts exact copies only (codec raw); a lossy stored
+    # copy is then a miss. Absent: the daemon's default for the store (true unless configured).
+    accept_lossy: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,6 +244,7 @@ class AcquireRequest(Message):
     ns_id: bytes
     hashes: tuple[bytes, ...]
     lease_ms: int = DEFAULT_LEASE_MS
+    accept_lossy: bool | None = None  # as in LookupRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,6 +299,7 @@ class GetRequest(Message):
     id: int
     ns_id: bytes
     hashes: tuple[bytes, ...]
+    accept_lossy: bool | None = None  # as in LookupRequest
 
 
 @dataclass(frozen=True, slots=True)

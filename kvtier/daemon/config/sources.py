@@ -7,7 +7,9 @@ merges. Torch-free. Sources, highest precedence first::
 
 The TOML file has the sections ``[store]`` (the fields of :class:`~kvtier.daemon.store.config.StoreConfig`),
 ``[dataplane]``, ``[rest]``, ``[events]``, ``[auth]``, ``[remote]``, ``[daemon]`` (``data_dir``, ``log_level``,
-``drain_timeout_s``) and ``[tenants.<name>]`` (:mod:`kvtier.daemon.config.tenants`; file only);
+``drain_timeout_s``), ``[tenants.<name>]`` (:mod:`kvtier.daemon.config.tenants`; file only) and
+``[tiers.disk]`` (the disk tier's ``codec`` and ``compression``: file spellings of
+``store.disk_codec`` and ``store.disk_compression``, :data:`TIER_OPTIONS`);
 ``configs/kvtier.toml`` documents every option with its default. Unknown sections
 or keys are errors, so a typo never silently falls back to a default.
 
@@ -61,6 +63,11 @@ ENV_ALIASES: dict[str, str] = {
     "KVTIER_TOKEN_FILE": "auth.token_file", "KVTIER_REMOTE": "remote.url",
 }
 """Short environment names of the common options (each also has its ``KVTIER_S__K`` name)."""
+
+TIER_OPTIONS: dict[str, dict[str, str]] = {"disk": {"codec": "store.disk_codec", "compression": "store.disk_compression"}}
+"""``[tiers.<tier>] key`` -> the option it sets (issue 25: precision by tier). The host tier keeps
+what clients write; the remote tier keeps the records' own codec (the remote verifier checks it
+against the namespace), so only the disk tier has a table."""
 
 
 def _kinds() -> dict[str, str]:
@@ -130,6 +137,7 @@ def _from_toml(path: str) -> tuple[dict[str, tuple[Any, str]], tuple[TenantConfi
         raise ConfigError(f"config file {path} nests arrays or tables too deeply") from None
     out, unknown = {}, []
     tenants = parse_tenants(doc.pop("tenants"), f"file {path}") if "tenants" in doc else ()
+    tiers = _tier_options(doc.pop("tiers"), path) if "tiers" in doc else {}
     for section, table in doc.items():
         if section not in SECTIONS or not isinstance(table, dict):
             unknown.append(f"[{section}]")
@@ -142,7 +150,28 @@ def _from_toml(path: str) -> tuple[dict[str, tuple[Any, str]], tuple[TenantConfi
                 unknown.append(f"[{section}] {key}")
     if unknown:
         raise ConfigError(f"unknown option(s) in {path}: {', '.join(unknown)} (see configs/kvtier.toml)")
+    for option, value in tiers.items():
+        if option in out:
+            raise ConfigError(f"{path}: {option} is set twice ([store] and [tiers]); keep one")
+        out[option] = value
     return out, tenants
+
+
+def _tier_options(doc: Any, path: str) -> dict[str, tuple[Any, str]]:
+    """The options of a file's ``[tiers.<tier>]`` tables (:data:`TIER_OPTIONS`)."""
+    if not isinstance(doc, dict) or not all(isinstance(t, dict) for t in doc.values()):
+        raise ConfigError(f"tiers (file {path}) must be tables [tiers.<tier>]")
+    out: dict[str, tuple[Any, str]] = {}
+    for tier, table in doc.items():
+        keys = TIER_OPTIONS.get(tier)
+        if keys is None:
+            raise ConfigError(f"[tiers.{tier}] (file {path}): only {', '.join(f'[tiers.{t}]' for t in TIER_OPTIONS)} "
+                              "takes a codec (host keeps what clients write, remote the records' own codec)")
+        for key, value in table.items():
+            if key not in keys:
+                raise ConfigError(f"unknown key [tiers.{tier}] {key} in {path} (allowed: {', '.join(keys)})")
+            out[keys[key]] = (value, f"file {path} [tiers.{tier}]")
+    return out
 
 
 def _from_env(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:

@@ -13,6 +13,7 @@ Example::
     disk_bytes = "100GiB"
     token_file = "/etc/kvtier/alice.token"   # default <data_dir>/tenants/alice/token, generated 0600
     events_endpoint = "tcp://127.0.0.1:5600" # optional: alice's own ZMQ PUB socket
+    accept_lossy = false                     # optional: alice's requests get exact copies unless they ask
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ TENANT_NAME = re.compile(r"[a-z0-9_-]{1,32}")
 TENANTS_DIR = "tenants"  # <data_dir>/tenants/<name>/ holds a tenant's disk tier and token file
 MAX_TENANTS = 64  # each tenant costs a store (segments, RocksDB, threads): keep the count sane
 TENANT_KEYS = ("host_bytes", "disk_bytes", "gpu_bytes", "token", "token_file", "events_endpoint",
-               "events_replay_endpoint")
+               "events_replay_endpoint", "accept_lossy")
 """Keys of a ``[tenants.<name>]`` table."""
 _SIZES = ("host_bytes", "disk_bytes", "gpu_bytes")
 
@@ -53,6 +54,8 @@ class TenantConfig:
             ``<events.topic>/<name>``). ZMQ has no authentication, so it is opt-in per tenant;
             None (default): the tenant's events reach only its own ``/v1/events`` stream.
         events_replay_endpoint: ZMQ ROUTER answering replay requests for this tenant's events.
+        accept_lossy: the tenant's default for requests that do not say whether a lossy stored
+            copy may serve them (``StoreConfig.accept_lossy``); None: the default store's.
     """
 
     name: str
@@ -63,6 +66,7 @@ class TenantConfig:
     token_file: str | None = None
     events_endpoint: str | None = None
     events_replay_endpoint: str | None = None
+    accept_lossy: bool | None = None
 
     def __repr__(self) -> str:  # the token never reaches a log line
         return (f"TenantConfig(name={self.name!r}, host_bytes={self.host_bytes}, disk_bytes={self.disk_bytes}, "
@@ -83,6 +87,8 @@ class TenantConfig:
             raise ConfigError(f"{where}.token must be text of at least {MIN_TOKEN_LEN} characters")
         if self.token_file is not None and not typed(f"{where}.token_file", self.token_file, str):
             raise ConfigError(f"{where}.token_file must be a path")
+        if self.accept_lossy is not None:
+            typed(f"{where}.accept_lossy", self.accept_lossy, bool)
         # EventsConfig checks the endpoints' form (and that replay needs a publisher, at start).
         self.events_config(EventsConfig(topic="kv@check@kvtier"))
 
@@ -106,7 +112,8 @@ class TenantConfig:
         try:
             return dataclasses.replace(base, host_bytes=self.host_bytes, host_segment_bytes=seg,
                                        host_name_prefix=f"{base.host_name_prefix}-t-{self.name}",
-                                       disk_path=disk, disk_bytes=self.disk_bytes, gpu_bytes=self.gpu_bytes)
+                                       disk_path=disk, disk_bytes=self.disk_bytes, gpu_bytes=self.gpu_bytes,
+                                       accept_lossy=base.accept_lossy if self.accept_lossy is None else self.accept_lossy)
         except ValueError as e:
             raise ConfigError(f"tenants.{self.name}: {e}") from None
 
@@ -151,6 +158,8 @@ def parse_tenants(doc: Any, origin: str) -> tuple[TenantConfig, ...]:
                     values[key] = os.path.abspath(os.path.expanduser(typed(f"tenants.{name}.{key}", value, str)))
                 elif key in ("events_endpoint", "events_replay_endpoint") and value in ("", "off"):
                     values[key] = None
+                elif key == "accept_lossy":
+                    values[key] = typed(f"tenants.{name}.{key}", value, bool)
                 else:
                     values[key] = typed(f"tenants.{name}.{key}", value, str)
             except ConfigError as e:

@@ -143,9 +143,9 @@ class RequestHandler:
     async def _lookup(self, req: fr.LookupRequest, session: Session) -> fr.Message:
         store = self.scope(session).store
         if store.remote.enabled:  # the rest of the prefix from the cluster, within the lookup budget
-            num_hits, names = await store.lookup_remote(req.ns_id, req.hashes)
+            num_hits, names = await store.lookup_remote(req.ns_id, req.hashes, accept_lossy=req.accept_lossy)
         else:
-            num_hits, names = store.lookup_names(req.ns_id, req.hashes)
+            num_hits, names = store.lookup_names(req.ns_id, req.hashes, accept_lossy=req.accept_lossy)
         ns = _namespace(store, req.ns_id)
         if ns is not None:  # unknown namespace: tokens per block unknown, nothing counted
             misses = len(req.hashes) - num_hits
@@ -208,7 +208,8 @@ class RequestHandler:
         return fr.PlaceResponse(req.id, tuple("stored" if good else "exists" for good in ok))
 
     async def _acquire(self, req: fr.AcquireRequest, session: Session) -> fr.Message:
-        got = await self.scope(session).store.acquire(req.ns_id, req.hashes, lease_s=req.lease_ms / 1000)
+        got = await self.scope(session).store.acquire(req.ns_id, req.hashes, lease_s=req.lease_ms / 1000,
+                                                      accept_lossy=req.accept_lossy)
         if got.lease_id:
             session.leases[got.lease_id] = None
         missing = len(req.hashes) - len(got.blocks)
@@ -265,7 +266,7 @@ class RequestHandler:
 
     async def _get(self, req: fr.GetRequest, session: Session) -> fr.Message:
         store = self.scope(session).store
-        got = await store.acquire(req.ns_id, req.hashes)
+        got = await store.acquire(req.ns_id, req.hashes, accept_lossy=req.accept_lossy)
         try:
             budget = self.limits.max_payload_len
             todo: list[tuple[bytes, memoryview]] = []

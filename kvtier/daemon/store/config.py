@@ -10,6 +10,7 @@ import math
 import re
 from dataclasses import dataclass
 
+from kvtier_protocol.codec_plan import CODECS
 from kvtier_protocol.errors import CapacityError, InvalidRequest
 
 
@@ -23,6 +24,8 @@ class ZeroCapacity(CapacityError, ValueError):
 
 _PREFIX = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _DEVICE = re.compile(r"[a-z_]{1,32}(:[0-9]{1,4})?")
+TIER_COMPRESSIONS = ("none", "lz4")
+"""Values of ``disk_compression``: the lossless stage after the codec (SPEC.md §4.8), or none."""
 GPU_SEGMENT_BYTES = 1 << 30  # default device pool size (one tensor)
 
 
@@ -78,6 +81,21 @@ class StoreConfig:
             restart after a clean shutdown keeps what the disk tier may keep: blocks the
             admission filter rejects are not written, and the disk's capacity and eviction apply
             as for demotions. No effect without a disk tier.
+        disk_codec: the codec of records demoted from host to disk (issue 25; TOML
+            ``[tiers.disk] codec``). ``"raw"`` (default) writes every record as it is: every hit
+            stays exact. A quantizing codec (``"int8"``, ...) re-encodes, on the I/O pool, each
+            demoted record whose header says raw float16/bfloat16/float32 KV; the disk record
+            (and any host copy promoted from it later) then says that codec in its header, and
+            a request with ``accept_lossy`` false treats it as a miss. Other records (another
+            codec, compressed, another dtype, data the codec refuses) go down as they are, and
+            so do write-through and flush-at-close copies (their host copy stays, and a block
+            has one header).
+        disk_compression: ``"lz4"``: byte-shuffle and LZ4 each section of a re-encoded disk
+            record (SPEC.md §4.8; lossless); ``"none"`` (default). Applies only to records that
+            ``disk_codec`` re-encodes.
+        accept_lossy: the default of requests that do not say (``accept_lossy`` of lookup,
+            acquire and get): True serves any stored copy; False only exact ones (codec raw),
+            a lossy copy being a miss that ends the prefix.
     """
 
     host_bytes: int
@@ -104,6 +122,9 @@ class StoreConfig:
     max_events: int = 65536
     max_batch: int = 65536
     flush_on_close: bool = True
+    disk_codec: str = "raw"
+    disk_compression: str = "none"
+    accept_lossy: bool = True
 
     def __post_init__(self) -> None:
         _int(self, "host_bytes", 0)
@@ -134,6 +155,12 @@ class StoreConfig:
         _int(self, "max_batch", 1)
         if not isinstance(self.flush_on_close, bool):
             raise StoreConfigError(f"flush_on_close must be a bool, got {self.flush_on_close!r}")
+        if self.disk_codec not in CODECS:
+            raise StoreConfigError(f"disk_codec must be one of {CODECS}, got {self.disk_codec!r}")
+        if self.disk_compression not in TIER_COMPRESSIONS:
+            raise StoreConfigError(f"disk_compression must be one of {TIER_COMPRESSIONS}, got {self.disk_compression!r}")
+        if not isinstance(self.accept_lossy, bool):
+            raise StoreConfigError(f"accept_lossy must be a bool, got {self.accept_lossy!r}")
         for name in ("lease_seconds", "max_lease_seconds"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:

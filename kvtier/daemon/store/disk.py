@@ -253,6 +253,11 @@ class DiskTier:
         with self._lock:
             return list(self._namespaces.values())
 
+    def namespace(self, ns_id: bytes) -> Namespace | None:
+        """The namespace ``ns_id`` if saved here (:meth:`namespaces`), else None."""
+        with self._lock:
+            return self._namespaces.get(ns_id)
+
     def save_namespace(self, ns: Namespace) -> bool:
         """Save ``ns`` with the metadata, so that it is known again after a restart.
 

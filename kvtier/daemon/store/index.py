@@ -293,6 +293,13 @@ class BlockIndex:
         meta.state = BlockState.COMMITTED
         meta.last_access = now
 
+    @staticmethod
+    def reencode(meta: BlockMeta, header: bytes, size: int, checksum: int) -> None:
+        """Give a committed block held in no tier another encoding (issue 25: re-encoded on
+        its way to disk): its header, payload size and checksum; key, parent and tokens stay."""
+        assert meta.committed and meta.linked and not meta.tiers, "re-encode a block between its copies"
+        meta.header, meta.size, meta.checksum = header, size, checksum
+
     # --- placement and accounting ------------------------------------------------------------
 
     def has_room(self, tier: Tier, nbytes: int) -> bool:

@@ -8,7 +8,17 @@ is written and its bytes verified against the header checksum; a failed check or
 block (a miss later), never serves or keeps bad bytes.
 
 Copies and disk I/O run on the store's thread pool (:mod:`kvtier.daemon.store.transfers`) so the event
-loop stays responsive. This module imports no torch: the GPU tier is reached through its object.
+loop stays responsive.
+
+Precision by tier (issue 25): with a lossy ``StoreConfig.disk_codec``, a host block demoted to
+disk by eviction is re-encoded on the way (:func:`~kvtier.daemon.store.transfers.recode_verified`:
+the host copy is verified, then encoded, then the new payload verified), written under the same
+key, and only then, with its host copy freed, does the block take the new record's header, size
+and checksum. A crash in between leaves the disk tier with the old record or the new one (its
+files are written whole before their metadata commits, :mod:`kvtier.daemon.store.disk`), and a
+host copy that survives it is dropped at start for the disk's other encoding of the key
+(:mod:`kvtier.daemon.store.host_recovery`). A promotion back into host copies the lossy record
+as it is: the host copy's header names its codec. This module imports no torch: the GPU tier is reached through its object.
 Promotion into host (the get path) is in :mod:`kvtier.daemon.store.reads`.
 """
 
@@ -21,7 +31,9 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from kvtier_protocol.errors import StorageError
+from kvtier_protocol.errors import KVTierError, StorageError
+from kvtier_protocol.header import decode_header
+from kvtier_protocol.layouts import get_layout
 
 from kvtier.daemon.store.config import StoreConfig
 from kvtier.daemon.store.disk import DiskTier
@@ -30,7 +42,7 @@ from kvtier.daemon.store.index import BlockIndex, BlockMeta
 from kvtier.daemon.store.policy import AdmissionFilter
 from kvtier.daemon.store.remote_link import RemoteLink
 from kvtier.daemon.store.stats import EventKind, EventLog, StoreCounters, StoreEvent
-from kvtier.daemon.store.transfers import gpu_snapshot_verified, gpu_to_host, snapshot_verified
+from kvtier.daemon.store.transfers import Recoded, gpu_snapshot_verified, gpu_to_host, recode_verified, snapshot_verified
 from kvtier.daemon.store.types import NS_ID_LEN, BlockKey, Slot, Tier
 
 _HOST_TIER, _STORED_KIND = Tier.HOST, EventKind.STORED  # module constants: emit runs per block
@@ -41,6 +53,8 @@ if TYPE_CHECKING:
 R = TypeVar("R")
 Payload = bytes | memoryview  # a verified payload copy: memoryviews are the disk tier's aligned buffers
 MEMORY_TIERS = (Tier.GPU, Tier.HOST)
+RECODE_DTYPES = frozenset({"bfloat16", "float16", "float32"})
+"""Dtypes of the raw records a lossy disk codec re-encodes (the codecs' C loops read these)."""
 
 
 log = logging.getLogger(__name__)
@@ -134,6 +148,7 @@ class Mover:
                 break
         if not victims:
             return False
+        recoded: dict[BlockMeta, Recoded] = {}
         for meta in victims:
             self.index.set_moving(meta, True)
         try:
@@ -141,7 +156,7 @@ class Mover:
                 await self._demote_to_host([m for m in victims if m.host_slot is None])
             else:
                 # A block still in GPU memory goes down later, through host, when the GPU evicts it.
-                await self._demote_to_disk([m for m in victims if m.gpu_slot is None and self.wants_disk(m)])
+                recoded = await self._demote_to_disk([m for m in victims if m.gpu_slot is None and self.wants_disk(m)])
                 if self.remote is not None:  # write-back: the records are copied before the slots go
                     await self.remote.offer_copies([m for m in victims if m.gpu_slot is None])
         finally:
@@ -149,7 +164,11 @@ class Mover:
                 self.index.set_moving(meta, False)
         # Only now, with every lower copy written and verified, are these copies freed.
         for meta in victims:
-            self.free_copy(meta, tier)
+            rec = recoded.get(meta) if tier is Tier.HOST and recoded else None
+            if rec is None:
+                self.free_copy(meta, tier)
+            else:
+                self._swap_to_disk(meta, rec)
             self.counters.tiers[tier].evictions += 1
         return True
 
@@ -296,15 +315,100 @@ class Mover:
                 self.corrupt(meta, "GPU copy (demotion to host)")  # drop it, never keep it below
                 self.free_copy(meta, Tier.HOST, announce=False)
 
-    async def _demote_to_disk(self, metas: list[BlockMeta]) -> None:
-        """Write host blocks to disk, verified on the way. Their host copies are freed by the caller."""
+    async def _demote_to_disk(self, metas: list[BlockMeta]) -> dict[BlockMeta, Recoded]:
+        """Write host blocks to disk, verified on the way. Their host copies are freed by the caller.
+
+        Returns:
+            The blocks written through :meth:`_write_recoded` (a lossy ``disk_codec``), with the
+            records written for them: not yet placed on disk, which the caller does with
+            :meth:`_swap_to_disk` in place of freeing their host copies.
+        """
         if not metas:
-            return
-        written = await self.write_disk_verified(metas)
+            return {}
+        rope = self._recodable(metas) if self.cfg.disk_codec != "raw" else {}
+        written = await self.write_disk_verified([m for m in metas if m not in rope] if rope else metas)
+        recoded = await self._write_recoded([m for m in metas if m in rope], rope) if rope else {}
         c = self.counters
-        c.demotions += len(written)
-        c.tiers[Tier.HOST].demotions += len(written)
-        c.tiers[Tier.HOST].bytes_out += sum(m.size for m in written)
+        c.demotions += len(written) + len(recoded)
+        c.tiers[Tier.HOST].demotions += len(written) + len(recoded)
+        c.tiers[Tier.HOST].bytes_out += sum(m.size for m in written) + sum(m.size for m in recoded)
+        return recoded
+
+    def _recodable(self, metas: Sequence[BlockMeta]) -> dict[BlockMeta, int]:
+        """The blocks of ``metas`` the disk codec re-encodes, with the MLA rope dims each keeps
+        raw: records whose header says raw (uncompressed) float16/bfloat16/float32 KV, MLA ones
+        only when their namespace (saved with the disk tier, or in the header) names its rope
+        dims. The others go down as they are."""
+        assert self.disk is not None, "demotion to disk needs a disk tier"
+        out: dict[BlockMeta, int] = {}
+        for meta in metas:
+            try:
+                h, _ = decode_header(meta.header)
+                mla = get_layout(h.layout).is_mla
+            except KVTierError:  # never expected: committed headers were checked
+                continue
+            if h.codec != "raw" or h.compression is not None or h.dtype not in RECODE_DTYPES:
+                continue
+            rope = 0
+            if mla:
+                ns = self.disk.namespace(meta.ns_id)
+                rope = ns.mla_rope_dim if ns is not None else (h.ns_fields or {}).get("mla_rope_dim")
+                if type(rope) is not int or rope < 0:
+                    continue  # rope dims unknown: quantizing them could cost more than the codec says
+            out[meta] = rope
+        return out
+
+    async def _write_recoded(self, metas: list[BlockMeta], rope: dict[BlockMeta, int]) -> dict[BlockMeta, Recoded]:
+        """Re-encode host blocks with the disk codec (on the I/O pool, from verified copies) and
+        write the records to disk under the same keys; the blocks written, with their records.
+
+        A host copy that fails its checksum is counted and not written. Blocks that do not fit
+        (after evicting disk LRU blocks) or whose write fails are left without a disk copy, as
+        by :meth:`write_disk_verified`. The index is not touched: see :meth:`_swap_to_disk`.
+        """
+        assert self.disk is not None, "demotion to disk needs a disk tier"
+        if not metas:
+            return {}
+        compression = None if self.cfg.disk_compression == "none" else self.cfg.disk_compression
+        items = [(m.header, self.host.view(m.host_slot), m.checksum, rope[m]) for m in metas]
+        got = await self.run(recode_verified, items, self.cfg.disk_codec, compression, self.disk.buffers)
+        todo: list[tuple[BlockMeta, Recoded]] = []
+        for meta, rec in zip(metas, got):
+            if rec is None:
+                self.corrupt(meta, "host copy (re-encoding for disk)")  # never written down
+            else:
+                todo.append((meta, rec))
+        try:
+            batch: list[tuple[BlockMeta, Recoded]] = []
+            batch_bytes = 0
+            for meta, rec in todo:
+                charge = len(rec.header) + rec.size  # the disk charge of the record written
+                if await self.make_room_disk(batch_bytes + charge):
+                    batch.append((meta, rec))
+                    batch_bytes += charge
+            if not batch:
+                return {}
+            try:
+                await self.run(self.disk.put_many, [(m.key, r.header, r.payload) for m, r in batch])
+            except StorageError:
+                self.counters.storage_errors += 1
+                return {}
+            return dict(batch)
+        finally:
+            for _, rec in todo:
+                self.disk.buffers.give_back(rec.payload)
+
+    def _swap_to_disk(self, meta: BlockMeta, rec: Recoded) -> None:
+        """Free the host copy of a block whose re-encoded record :meth:`_write_recoded` wrote,
+        give the block that record's header, size and checksum, and place it on disk, in one
+        step (no await: nobody sees the block in between, in no tier)."""
+        slot = self.index.unplace(meta, Tier.HOST)
+        assert slot is not None, "host copies have slots"
+        self.host.free(slot)
+        if meta.committed:
+            self.emit(EventKind.REMOVED, Tier.HOST, meta)
+        self.index.reencode(meta, rec.header, rec.size, rec.checksum)
+        self._placed_on_disk([meta], announce=True)
 
     # --- disk ----------------------------------------------------------------------------------
 

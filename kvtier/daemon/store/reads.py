@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from kvtier_protocol.errors import StorageError
 
+from kvtier.daemon.store.exact import exact_run
 from kvtier.daemon.store.index import BlockIndex, BlockMeta
 from kvtier.daemon.store.remote_link import Fetched
 from kvtier.daemon.store.lease import LeaseKind, LeaseTable
@@ -44,11 +45,14 @@ class BlockReader:
         self.now = now
 
     async def acquire(self, keys: list[BlockKey], ttl: float, tier: Tier,
-                      fetched: Mapping[BlockKey, Fetched] | None = None) -> Acquired:
+                      fetched: Mapping[BlockKey, Fetched] | None = None, *, accept_lossy: bool = True) -> Acquired:
         """Lease the stored prefix of ``keys`` (see ``TieredStore.acquire``); ``fetched``: verified
-        remote records that may continue the local prefix (placed into host slots first)."""
+        remote records that may continue the local prefix (placed into host slots first);
+        ``accept_lossy`` False: exact copies only, the prefix ends at a lossy one."""
         in_place = tier is Tier.GPU
         metas = self.index.lookup(keys)
+        if not accept_lossy:  # issue 25; a remote record is never adopted past the lossy key (indexed)
+            del metas[exact_run(metas):]
         self.index.lease_all(metas)  # pins the memory copies while promotion makes room
         if fetched and len(metas) < len(keys):
             metas += await self.adopt_remote(keys[len(metas):], fetched)

@@ -37,6 +37,7 @@ from kvtier.daemon.store import validation as check
 from kvtier.daemon.store.audit import audit
 from kvtier.daemon.store.config import StoreConfig
 from kvtier.daemon.store.disk import DiskTier
+from kvtier.daemon.store.exact import exact_run
 from kvtier.daemon.store.host import HostTier
 from kvtier.daemon.store.host_recovery import HostRecovery
 from kvtier.daemon.store.index import TIERS, BlockIndex, BlockMeta
@@ -48,7 +49,7 @@ from kvtier.daemon.store.remote_link import Fetched, RemoteLink, RemoteOptions
 from kvtier.daemon.store.results import Acquired, BlockInfo, CheckReport, LookupResult, PlaceStatus, Reservation
 from kvtier.daemon.store.scrub import CommitScrubber
 from kvtier.daemon.store.stats import EventLog, StoreCounters, StoreEvent, StoreGauges, TierGauges
-from kvtier.daemon.store.types import BlockKey, Tier
+from kvtier.daemon.store.types import TIER_WIRE_NAMES, BlockKey, Tier
 
 if TYPE_CHECKING:
     from kvtier.daemon.remote.backend import RemoteBlocks
@@ -213,33 +214,53 @@ class TieredStore:
         self._count_lookup(len(keys), len(metas))
         return LookupResult(len(metas), [m.fastest_tier for m in metas])
 
-    def lookup_names(self, ns_id: bytes, hashes: Sequence[bytes]) -> tuple[int, list[str]]:
+    def lookup_names(self, ns_id: bytes, hashes: Sequence[bytes], *,
+                     accept_lossy: bool | None = None) -> tuple[int, list[str]]:
         """:meth:`lookup` for the wire: the hits and each one's fastest tier by its wire name
-        (``"gpu"``, ``"host"``, ``"disk"``), in one pass over the index.
+        (``"gpu"``, ``"host"``, ``"disk"``), in one pass over the index. ``accept_lossy``: False
+        counts only exact copies (a lossy one ends the prefix); None: ``config.accept_lossy``.
 
         Raises:
             InvalidKey, InvalidRequest: malformed keys.
         """
         keys = check.check_keys(self.config, ns_id, hashes)
         self.reclaim_expired()
-        names = self.index.lookup_names(keys)
+        if self._exact_only(accept_lossy):
+            metas = self.index.lookup(keys)
+            names = [TIER_WIRE_NAMES[m.fastest_tier] for m in metas[:exact_run(metas)]]  # type: ignore[index]
+        else:
+            names = self.index.lookup_names(keys)
         self._count_lookup(len(keys), len(names))
         return len(names), names
 
-    async def lookup_remote(self, ns_id: bytes, hashes: Sequence[bytes]) -> tuple[int, list[str]]:
+    async def lookup_remote(self, ns_id: bytes, hashes: Sequence[bytes], *,
+                            accept_lossy: bool | None = None) -> tuple[int, list[str]]:
         """:meth:`lookup_names`, then the remote tier for the rest of the prefix (within the
         lookup budget): its run of hits is named ``"remote"``. Without a remote tier, the same.
 
         Raises:
             InvalidKey, InvalidRequest: malformed keys.
         """
-        n, names = self.lookup_names(ns_id, hashes)
+        n, names = self.lookup_names(ns_id, hashes, accept_lossy=accept_lossy)
+        if self._exact_only(accept_lossy) and n < len(hashes) and self._lossy_from(ns_id, hashes[n]):
+            return n, names  # acquire would not fetch past a lossy local copy either
         if self.remote.enabled and n < len(hashes):
             keys = check.check_keys(self.config, ns_id, hashes[n:])
             more = await self.remote.lookup(keys)
             names += ["remote"] * more
             n += more
         return n, names
+
+    def _exact_only(self, accept_lossy: bool | None) -> bool:
+        """Whether a request serves exact copies only (its ``accept_lossy``, else the config's)."""
+        return not (self.config.accept_lossy if accept_lossy is None else accept_lossy)
+
+    def _lossy_from(self, ns_id: bytes, chain_hash: bytes) -> bool:
+        """Whether an exact-only prefix stops at ``chain_hash`` for lack of exact copies: the
+        block is stored here (lossy, or the prefix would not end there) or its namespace's
+        writers encode lossily, so the remote tier holds no exact copy either."""
+        ns = self._namespaces.get(ns_id)
+        return ns_id + chain_hash in self.index or (ns is not None and ns.kv_codec != "raw")
 
     def _count_lookup(self, num_keys: int, num_hits: int) -> None:
         c = self._counters
@@ -248,7 +269,7 @@ class TieredStore:
         c.lookup_hits += num_hits
 
     async def acquire(self, ns_id: bytes, hashes: Sequence[bytes], *, lease_s: float | None = None,
-                      tier: Tier = Tier.HOST) -> Acquired:
+                      tier: Tier = Tier.HOST, accept_lossy: bool | None = None) -> Acquired:
         """Lease the stored prefix of ``hashes``, copying blocks into host memory where needed.
 
         By default every block is served from a host slot (``store.host.view(block.slot)``),
@@ -258,7 +279,8 @@ class TieredStore:
         and, on CUDA, synchronise that read before :meth:`release`); the others as by default.
         Every copy made for the call is verified before it is served; a bad one is dropped and
         counted and the prefix ends there. The lease pins every memory copy of the blocks
-        (host and GPU) until :meth:`release`.
+        (host and GPU) until :meth:`release`. ``accept_lossy`` as for :meth:`lookup_names`: with
+        False, a block whose stored copy is lossy is a miss.
 
         Raises:
             InvalidKey, InvalidRequest: malformed keys, lease length, or a tier other than HOST
@@ -268,11 +290,14 @@ class TieredStore:
         ttl = check.check_lease_seconds(self.config, lease_s)
         if tier not in MEMORY_TIERS:
             raise InvalidRequest(f"acquire serves from host or GPU memory, not {tier!r}")
+        exact = self._exact_only(accept_lossy)
         fetched = await self._fetch_remote(ns_id, keys) if self.remote.enabled else None
+        if exact and fetched:
+            fetched = {k: f for k, f in fetched.items() if f.parsed.codec == "raw"} or None
         async with self._mutex:
             reader = self.parts.reader
             self.reclaim_expired()
-            return await reader.acquire(keys, ttl, tier, fetched)
+            return await reader.acquire(keys, ttl, tier, fetched, accept_lossy=not exact)
 
     async def _fetch_remote(self, ns_id: bytes, keys: list[BlockKey]) -> dict[BlockKey, Fetched] | None:
         """The verified remote records of the keys after the local prefix (fetched outside the

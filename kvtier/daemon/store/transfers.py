@@ -3,16 +3,17 @@
 Every function copies first and verifies the copy, so the bytes that land in the destination (or
 are handed to the disk) are exactly the bytes that were checked against the header checksum.
 
-torch is imported only by the GPU functions, and only when they run: a store without a GPU tier
-never loads it through this module.
+torch is imported only by the GPU functions and :func:`recode_verified`, and only when they run:
+a store without a GPU tier or a lossy disk codec never loads it through this module.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvtier_protocol.errors import KVTierError
-from kvtier_protocol.header import decode_header, payload_checksum, verify_payload
+from kvtier_protocol.header import decode_header, payload_checksum, split_record, verify_payload
 
 from kvtier.daemon.store.disk_io import BufferPool, copy_into
 from kvtier.daemon.store.types import BlockKey, Slot
@@ -44,6 +45,78 @@ def snapshot_verified(views: list[memoryview], checksums: list[int],
             if pool is not None:
                 pool.give_back(data)
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class Recoded:
+    """A host record made ready for the disk by :func:`recode_verified` (issue 25).
+
+    Attributes:
+        header: the record's header: a new one (the disk codec, its scales' parameters, the new
+            checksum; same key, namespace, parent, tokens) or, for a block the codec refuses,
+            the old one.
+        payload: the payload, in a buffer of the disk tier's pool (given back after the write).
+        checksum: the xxh3-64 of ``payload``, which it was checked against after the copy.
+        lossy: whether ``header`` names a codec other than raw.
+    """
+
+    header: bytes
+    payload: memoryview
+    checksum: int
+    lossy: bool
+
+    @property
+    def size(self) -> int:
+        """Payload bytes: what a memory slot holding this record needs."""
+        return self.payload.nbytes
+
+
+def recode_verified(items: list[tuple[bytes, memoryview, int, int]], codec: str, compression: str | None,
+                    pool: BufferPool) -> list[Recoded | None]:
+    """Re-encode raw host records with ``codec`` (then ``compression``) for the disk (issue 25).
+
+    Per ``(header, host view, checksum, rope_dims)``: the host payload is copied and the copy
+    checked against ``checksum`` first (None: it fails; nothing is made of it); the copy is read
+    as the header's raw tensor (layout, shape, dtype) and encoded into a new record of the same
+    block (:func:`kvtier_protocol.block.encode_block`: canonical layout, the codec's default
+    parameters, ``rope_dims`` trailing MLA latent dims kept raw); its payload is copied into a
+    buffer of ``pool`` and that buffer checked against the new header's checksum. A block the
+    codec refuses (NaN or Inf, a layout it cannot read) keeps its record: the verified copy
+    under the old header. The caller checked each header is raw float KV.
+    """
+    import torch  # noqa: PLC0415  (a store without a lossy disk codec never loads torch here)
+
+    from kvtier_protocol.block import encode_block, torch_dtype  # noqa: PLC0415  (imports torch)
+
+    out: list[Recoded | None] = []
+    for header, view, checksum, rope_dims in items:
+        copy = bytearray(view)  # writable: torch reads it without a warning, and owns nothing of the slot
+        if payload_checksum(copy) != checksum:
+            out.append(None)
+            continue
+        h, _ = decode_header(header)
+        tensor = torch.frombuffer(copy, dtype=torch.uint8).view(torch_dtype(h.dtype)).reshape(h.shape)
+        try:
+            record = encode_block(tensor, ns_id=h.ns_id, chain_hash=h.chain_hash, parent_hash=h.parent_hash,
+                                  layout=h.layout, codec=codec, num_tokens=h.num_tokens,
+                                  ns_fields=dict(h.ns_fields) if h.ns_fields is not None else None,
+                                  created_ms=h.created_ms, mla_rope_dim=rope_dims, compression=compression)
+        except KVTierError:  # data the codec refuses: the block goes down exact, as it is
+            out.append(_pooled(pool, header, memoryview(copy), checksum, lossy=False))
+            continue
+        new, payload = split_record(record)
+        out.append(_pooled(pool, record[:len(record) - new.payload_len], payload, new.checksum, lossy=True))
+    return out
+
+
+def _pooled(pool: BufferPool, header: bytes, payload: memoryview, checksum: int, *, lossy: bool) -> Recoded | None:
+    """``payload`` copied into a buffer of ``pool`` and verified there (None: the copy differs)."""
+    buf = pool.get(payload.nbytes)
+    copy_into(buf, payload)
+    if payload_checksum(buf) != checksum:
+        pool.give_back(buf)
+        return None
+    return Recoded(bytes(header), buf, checksum, lossy)
 
 
 def load_records(disk: DiskTier, keys: list[BlockKey], headers: list[bytes], views: list[memoryview]) -> list[str]:

@@ -1,4 +1,4 @@
-"""LMCache's CPU backend as a peer of `kvtier bench peers`, when LMCache is importable here.
+"""LMCache's CPU backend as a peer of `kvtier bench peers`, run in a venv of its own.
 
 LMCache keeps its CPU tier inside the engine process (``LocalCPUBackend``, the L1 of its
 StorageManager): no socket and no second process, so its figures are the cost of an in-process
@@ -19,18 +19,35 @@ The allocator is the one ``LocalCPUBackend.initialize_allocator`` builds by defa
 (nothing is pinned). Blocks are ``KV_2LTD`` objects, the engine's format ``[2, layers, tokens,
 hidden]``: one layer of a 256-token chunk (LMCache's default chunk size) as uint8, ``size`` bytes.
 
+Where it runs: LMCache cannot be installed next to kvtier on a CPU machine (its dependencies are
+CUDA packages), so ``tools/lmcache-env.sh`` builds a venv with LMCache 0.5.6 and only what its CPU
+backend imports, and the bench runs this module there, as a subprocess (``python -m
+kvtier.bench.peers.lmcache``, kvtier coming from the checkout through PYTHONPATH), speaking JSON
+lines on stdin/stdout (no pickle). :func:`open_peer` finds the venv (:func:`find_env`: the
+``--lmcache-env`` flag, else ``$KVTIER_LMCACHE_ENV``, else ``.lmcache-env`` in the checkout, else
+this interpreter when it imports lmcache itself) and starts the subprocess; the figures then come
+back as :class:`RunFigures`, timed inside the subprocess as before.
+
 LMCache's API moves between releases (key fields, allocator arguments), so setting up is checked
-by a round trip of one block; anything that fails turns into a note (``reason``), never a crash.
+by a round trip of one block; anything that fails (no venv, an import, that check) turns into a
+note (``reason``), never a crash of the bench.
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
+import importlib.util
+import json
 import os
+import subprocess
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from kvtier.bench.peers.pool import RunFigures
@@ -38,6 +55,137 @@ from kvtier.bench.report import quantile
 
 SLACK = 16 << 20  # arena bytes beyond what the bench holds: the probe block and 4 KiB rounding
 CHUNK_TOKENS = 256  # LMCache's default chunk_size
+ENV_VAR = "KVTIER_LMCACHE_ENV"
+DEFAULT_ENV = ".lmcache-env"  # in the checkout, where tools/lmcache-env.sh builds it by default
+BUILD = "bash tools/lmcache-env.sh"
+# LMCache's usage telemetry is on by default (a POST to its vendor); only its cache engine sends it,
+# which the bench never builds, but a benchmark must not phone home by accident.
+QUIET = {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1"}
+DEFAULT_NAME = "LMCache LocalCPUBackend (in-process)"
+
+
+# --- the bench's side: find the venv, run the peer there --------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LMCacheEnv:
+    """The interpreter the LMCache peer runs in, and where it was found (for notes)."""
+
+    python: str
+    source: str
+
+
+def find_env(flag: str | None = None) -> tuple[LMCacheEnv | None, str]:
+    """The venv with LMCache (``flag``, else ``$KVTIER_LMCACHE_ENV``, else the checkout's
+    ``.lmcache-env``, else this interpreter if it imports lmcache), or None and why not."""
+    for given, source in ((flag, "--lmcache-env"), (os.environ.get(ENV_VAR), f"${ENV_VAR}")):
+        if given:
+            python = Path(given) / "bin" / "python"
+            if python.exists():
+                return LMCacheEnv(str(python), f"{source} {given}"), ""
+            return None, f"{source} {given} has no bin/python (build it: {BUILD} {given})"
+    import kvtier  # the checkout this kvtier runs from: the script builds the venv there
+
+    default = Path(kvtier.__file__).resolve().parents[1] / DEFAULT_ENV
+    if (default / "bin" / "python").exists():
+        return LMCacheEnv(str(default / "bin" / "python"), str(default)), ""
+    if importlib.util.find_spec("lmcache") is not None:
+        return LMCacheEnv(sys.executable, "this interpreter"), ""
+    return None, (f"no LMCache venv (build it, a few minutes: {BUILD}; or name one with --lmcache-env DIR "
+                  f"or ${ENV_VAR})")
+
+
+class LMCachePeer:
+    """The LMCache peer: a subprocess of the venv's python holding one backend, or (``usable``
+    False) the reason there is none. Every figure is timed inside the subprocess."""
+
+    def __init__(self, proc: subprocess.Popen[str] | None, name: str, reason: str) -> None:
+        self.proc = proc
+        self.name = name
+        self.reason = reason
+
+    @property
+    def usable(self) -> bool:
+        return self.proc is not None
+
+    def _ask(self, msg: dict[str, Any]) -> dict[str, Any]:
+        assert self.proc is not None and self.proc.stdin is not None and self.proc.stdout is not None, \
+            "a usable peer only"
+        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the LMCache subprocess exited with {self.proc.wait()} (its stderr is above)")
+        answer: dict[str, Any] = json.loads(line)
+        if not answer.get("ok"):
+            raise RuntimeError(f"the LMCache subprocess failed on {msg['cmd']}:\n{answer.get('error')}")
+        return answer
+
+    def runner(self, ns_id: bytes, clients: int, size: int, blocks: int,
+               per_call: int) -> Callable[[], dict[str, RunFigures]]:
+        """Build the blocks of one size there (untimed); the callable is one run: save then load
+        from ``clients`` threads, then an untimed delete."""
+        self._ask({"cmd": "prepare", "ns_id": ns_id.hex(), "clients": clients, "size": size,
+                   "blocks": blocks, "per_call": per_call})
+
+        def once() -> dict[str, RunFigures]:
+            figures = self._ask({"cmd": "run"})["figures"]
+            return {op: RunFigures(**fig) for op, fig in figures.items()}
+        return once
+
+    def held(self) -> tuple[int, int]:
+        """Blocks in the backend's hot cache, and bytes allocated from its arena, now."""
+        answer = self._ask({"cmd": "held"})
+        return int(answer["blocks"]), int(answer["allocated"])
+
+    def close(self) -> None:
+        """Stop the subprocess (its backend and arena go with it). Idempotent."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        try:
+            if proc.poll() is None and proc.stdin is not None:
+                proc.stdin.write(json.dumps({"cmd": "stop"}) + "\n")
+                proc.stdin.close()
+        except OSError:
+            pass  # it already died: its pipe is gone
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def open_peer(capacity: int, env_dir: str | None = None) -> LMCachePeer:
+    """Start the LMCache peer in its venv with an arena for ``capacity`` bytes of blocks, or say
+    (in ``reason``, one line) why there is none here."""
+    env, why = find_env(env_dir)
+    if env is None:
+        return LMCachePeer(None, DEFAULT_NAME, why)
+    from kvtier.bench.daemon import child_env  # the checkout's kvtier on the child's PYTHONPATH
+
+    proc_env = {**child_env(), **QUIET}
+    # LMCache logs at INFO to stderr from import on; the bench's own progress lines are what a
+    # reader wants there. Its warnings (memory pressure) still show; LMCACHE_LOG_LEVEL overrides.
+    proc_env.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
+    proc = subprocess.Popen([env.python, "-m", "kvtier.bench.peers.lmcache"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, bufsize=1, env=proc_env)
+    peer = LMCachePeer(proc, DEFAULT_NAME, "")
+    try:
+        answer = peer._ask({"cmd": "open", "capacity": capacity})
+    except RuntimeError as exc:
+        peer.close()
+        return LMCachePeer(None, DEFAULT_NAME, f"{exc} ({env.source})".replace("\n", " "))
+    if answer["reason"]:
+        peer.close()
+        return LMCachePeer(None, DEFAULT_NAME, f"{answer['reason']} ({env.source})")
+    peer.name = answer["name"]
+    return peer
+
+
+# --- the subprocess's side: the backend, in LMCache's venv -------------------------------------
 
 
 @dataclass(slots=True)
@@ -46,7 +194,7 @@ class LMCacheProbe:
 
     backend: Any
     reason: str
-    name: str = "LMCache LocalCPUBackend (in-process)"
+    name: str = DEFAULT_NAME
 
     def runner(self, ns_id: bytes, clients: int, size: int, blocks: int,
                per_call: int) -> Callable[[], dict[str, RunFigures]]:
@@ -62,13 +210,11 @@ class LMCacheProbe:
 
 
 def open_backend(capacity: int) -> LMCacheProbe:
-    """Set up a CPU backend able to hold ``capacity`` bytes of blocks, or say why it cannot be here."""
-    # LMCache logs at INFO to stderr from import on; the bench's own progress lines are what a
-    # reader wants there. Its warnings (memory pressure) still show; LMCACHE_LOG_LEVEL overrides.
-    os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
-    # LMCache's usage telemetry is on by default (a POST to its vendor); only its cache engine
-    # sends it, which the bench never builds, but a benchmark must not phone home by accident.
-    os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
+    """Set up a CPU backend in this process able to hold ``capacity`` bytes of blocks, or say why
+    it cannot be here (the subprocess's side of :func:`open_peer`)."""
+    os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")  # see open_peer
+    for k, v in QUIET.items():
+        os.environ.setdefault(k, v)
     try:
         import lmcache
     except ImportError as exc:
@@ -158,6 +304,10 @@ class _Backend:
         """Blocks in the backend's hot cache now."""
         return len(self.backend.get_keys())
 
+    def allocated(self) -> int:
+        """Bytes allocated from the arena now (0 once every block went back)."""
+        return int(self.allocator.pin_allocator.total_allocated_size)
+
     def close(self) -> None:
         self.backend.clear()  # returns every block to the arena before the arena goes
         self.allocator.close()
@@ -241,3 +391,65 @@ class _Workload:
         for keys in self.keys:
             self.backend.remove(keys)
         return out
+
+
+def _serve() -> int:
+    """The subprocess's loop: one JSON command per line on stdin, one answer per line on stdout."""
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # whatever LMCache prints goes to stderr, never into the answers
+    probe: LMCacheProbe | None = None
+    once: Callable[[], dict[str, RunFigures]] | None = None
+    try:
+        for line in sys.stdin:
+            msg = json.loads(line)
+            cmd = msg["cmd"]
+            try:
+                if cmd == "open":
+                    assert probe is None, "one backend per subprocess"
+                    probe = open_backend(int(msg["capacity"]))
+                    reply: dict[str, Any] = {"ok": True, "name": probe.name, "reason": probe.reason}
+                elif cmd == "prepare":
+                    assert probe is not None and probe.backend is not None, "open comes first, and worked"
+                    once = None  # free the previous size's tensors first
+                    once = probe.runner(bytes.fromhex(msg["ns_id"]), int(msg["clients"]), int(msg["size"]),
+                                        int(msg["blocks"]), int(msg["per_call"]))
+                    reply = {"ok": True}
+                elif cmd == "run":
+                    assert once is not None, "prepare comes before run"
+                    reply = {"ok": True, "figures": {op: asdict(f) for op, f in once().items()}}
+                elif cmd == "held":
+                    assert probe is not None and probe.backend is not None, "open comes first, and worked"
+                    reply = {"ok": True, "blocks": probe.backend.held(), "allocated": probe.backend.allocated()}
+                elif cmd == "stop":
+                    break
+                else:
+                    reply = {"ok": False, "error": f"unknown command {cmd!r}"}
+            except Exception:
+                reply = {"ok": False, "error": traceback.format_exc()}
+            out.write(json.dumps(reply) + "\n")
+    finally:
+        if probe is not None:
+            probe.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvtier.bench.peers.lmcache``: the peer's subprocess; ``--check``: one block
+    through a small backend here, said in one line (tools/lmcache-env.sh ends with it)."""
+    parser = argparse.ArgumentParser(prog="python -m kvtier.bench.peers.lmcache", description=main.__doc__)
+    parser.add_argument("--check", action="store_true", help="set up a small backend, round-trip one block, say so")
+    if not parser.parse_args(argv).check:
+        return _serve()
+    probe = open_backend(SLACK)
+    try:
+        if probe.backend is None:
+            print(f"LMCache check failed: {probe.reason}", file=sys.stderr)
+            return 1
+        print(f"{probe.name}: a block went in and came back the same")
+        return 0
+    finally:
+        probe.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -9,8 +9,9 @@ together, through:
   * ``tcp``: the same client over TCP on loopback (records inline in the frames);
   * ``redis``: Debian's redis-server, started by the bench on a free loopback port with persistence
     off, through redis-py with one pipeline (no MULTI) per call: SET on save, GET on load;
-  * ``lmcache``: LMCache's CPU backend, in process, when it is importable (see peers_lmcache);
-    otherwise a note says why and there are no LMCache rows.
+  * ``lmcache``: LMCache's CPU backend, in-process as LMCache runs it, in a subprocess of the venv
+    that ``tools/lmcache-env.sh`` builds (found as ``--lmcache-env`` says; see peers_lmcache), so
+    its rows come in every run where that venv exists; otherwise a note says how to build it.
 
 Every engine stores the same bytes (a kvtier record: header + random payload). Throughput is
 payload bytes of all clients over the window from the first client's start to the last one's end;
@@ -64,6 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="parent of the daemon's and Redis's temp dirs (default $TMPDIR)")
     parser.add_argument("--daemon-profile", metavar="FILE", default=None,
                         help="run the daemon under cProfile and write its stats to FILE")
+    parser.add_argument("--lmcache-env", metavar="DIR", default=None,
+                        help=f"the venv LMCache runs in (tools/lmcache-env.sh DIR builds it; default "
+                             f"${peers_lmcache.ENV_VAR}, else {peers_lmcache.DEFAULT_ENV} in the checkout)")
 
 
 def _plan(size: int, ws: int, per_call: int, min_calls: int) -> int:
@@ -89,7 +93,7 @@ def run(args: argparse.Namespace) -> SuiteResult:
                          suite="peers", profile=args.daemon_profile)
     redis = RedisServer(args.redis_server, args.work_dir)
     pool: WorkerPool | None = None
-    lmc: peers_lmcache.LMCacheProbe | None = None
+    lmc: peers_lmcache.LMCachePeer | None = None
     try:
         daemon.start()
         engines: dict[str, dict[str, Any]] = {
@@ -104,17 +108,17 @@ def run(args: argparse.Namespace) -> SuiteResult:
         except RedisUnavailable as exc:
             base_name = "redis (unavailable)"
             progress(f"peers: NOTE: no Redis baseline: {exc}. The kvtier rows follow with a NaN baseline.")
-        lmc = peers_lmcache.open_backend(held)
-        if lmc.backend is None:
+        lmc = peers_lmcache.open_peer(held, args.lmcache_env)
+        if not lmc.usable:
             progress(f"peers: NOTE: no LMCache rows: {lmc.reason}")
         pool = WorkerPool(clients, engines, NS)
         for size in sizes:
             label = f"{size / MIB:g}MiB"
             progress(f"peers: {label} blocks: {clients} clients x {plan[size]} blocks, {per_call} per call, "
-                     f"{reps} repetitions of {', '.join(engines)}{', lmcache' if lmc.backend else ''}")
+                     f"{reps} repetitions of {', '.join(engines)}{', lmcache' if lmc.usable else ''}")
             pool.prepare(size, plan[size], per_call)
             runs = {name: _runner(pool, name) for name in engines}
-            if lmc.backend is not None:
+            if lmc.usable:
                 runs["lmcache"] = lmc.runner(NS, clients, size, plan[size], per_call)
             figures = _rotate(runs, reps)
             result.rows += _rows(label, figures, base_name, lmc.name)
@@ -125,7 +129,7 @@ def run(args: argparse.Namespace) -> SuiteResult:
         if pool is not None:
             pool.close()
         if lmc is not None:
-            lmc.close()  # its arena (as big as the kvtier working set) goes now, not at process exit
+            lmc.close()  # its subprocess and arena (as big as the kvtier working set) go now
         daemon.stop()
         redis.stop()
         shutil.rmtree(work, ignore_errors=True)

@@ -38,6 +38,11 @@ Rows:
     client's copy of one block takes (the strict baseline's): the share of a core the daemon needs
     while a client streams blocks. On a host with fewer free cores than copy threads plus one,
     that time is taken from the copy.
+  * ``... 64 x 64KiB`` (``--small-batch``): the same put and get rows (shm, write-behind, TCP,
+    the daemon's CPU per block, the memcpy baselines) for batches of 64 blocks of 64 KiB per call,
+    a 4 MiB call whose cost is almost all per block and per request rather than per byte: the
+    per-request floor (a 16-token block of a small model, or of one tensor-parallel rank, is
+    about this size). The blocks rotate over the same working set, in whole batches.
   * ``memcpy ...``: that copy next to a torch ``copy_`` of the same bytes on the same threads
     (torch's copy is as fast as glibc's memcpy here): how much faster the client's copy is than
     the usual one.
@@ -107,8 +112,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="MiB of slots each shm client keeps granted ahead of its saves "
                              "(default: the client's; 0: every save reserves and commits, the "
                              "protocol before granted slots)")
+    parser.add_argument("--small-batch", default="64x64", metavar="BLOCKSxKIB",
+                        help="the per-request floor rows: calls of BLOCKS blocks of KIB KiB each "
+                             "(default 64x64; 'off': none)")
     parser.add_argument("--daemon-profile", metavar="FILE", default=None,
                         help="run the daemon under cProfile and write its stats to FILE")
+
+
+def _small_batch(text: str) -> tuple[int, int] | None:
+    """``"64x64"`` -> (64 blocks per call, 65536 bytes each); ``"off"`` -> None."""
+    if text.strip().lower() in ("off", "0", ""):
+        return None
+    count, _, kib = text.lower().partition("x")
+    try:
+        blocks, nbytes = int(count), int(float(kib) * 1024)
+    except ValueError:
+        blocks = nbytes = 0
+    if blocks < 1 or nbytes < 64 or nbytes % 64:
+        raise ValueError(f"--small-batch {text!r}: BLOCKSxKIB, at least one block of a multiple of 64 bytes")
+    return blocks, nbytes
 
 
 def run(args: argparse.Namespace) -> SuiteResult:
@@ -116,13 +138,16 @@ def run(args: argparse.Namespace) -> SuiteResult:
     sizes_text = args.sizes_mib or ("2,8" if args.quick else "2,8,32")
     sizes = [int(float(x) * MIB) for x in sizes_text.split(",") if x.strip()]
     ws = int((args.working_set_mib or (64 if args.quick else 256)) * MIB)
+    small = _small_batch(args.small_batch)
+    # the small rows' working set: whole calls of the small batch, at least one
+    small_ws = 0 if small is None else max(1, ws // (small[0] * small[1])) * small[0] * small[1]
     batch = int(args.batch_mib * MIB)
     calls = args.lookup_calls or (200 if args.quick else 1000)
     result = SuiteResult("dataplane")
     work = Path(tempfile.mkdtemp(prefix="kvtier-bench-dp-", dir=args.work_dir))
     # Twice the working set (slack for the allocator's slabs as block sizes change) plus the lookup
     # blocks: nothing is ever evicted, so no row touches the disk tier.
-    host_bytes = 2 * ws + max(sizes) + args.lookup_keys * (LOOKUP_PAYLOAD + 4096) + 64 * MIB
+    host_bytes = 2 * max(ws, small_ws) + max(sizes) + args.lookup_keys * (LOOKUP_PAYLOAD + 4096) + 64 * MIB
     daemon = _daemon(work, host_bytes, args.daemon_profile)
     with daemon.running():
         threads = args.copy_threads or memcopy.default_copy_threads()
@@ -137,6 +162,10 @@ def run(args: argparse.Namespace) -> SuiteResult:
             assert shm.session is not None and shm.session.shm is not None, "unix socket without segments"
             for nbytes in sizes:
                 result.rows += _block_rows(shm, behind, tcp, nbytes, ws, batch, reps, threads, daemon.cpu_seconds)
+            if small is not None:
+                count, nbytes = small
+                result.rows += _block_rows(shm, behind, tcp, nbytes, small_ws, count * nbytes, reps, threads,
+                                           daemon.cpu_seconds, label=f"{count} x {nbytes / 1024:g}KiB")
             result.rows += _lookup_rows(shm, tcp, args.lookup_keys, calls, reps)
     result.rows.append(_startup_row(args.work_dir, reps))
     return result
@@ -219,9 +248,11 @@ def _daemon_cpu(read: Callable[[], float | None], out: list[float], blocks: int)
 
 
 def _block_rows(shm: Client, behind: Client, tcp: Client, nbytes: int, ws: int, batch: int, reps: int,
-                threads: int, daemon_cpu: Callable[[], float | None]) -> list[Row]:
+                threads: int, daemon_cpu: Callable[[], float | None], label: str | None = None) -> list[Row]:
+    """The put/get rows of blocks of ``nbytes``, ``batch`` bytes of them per call, rotating over
+    ``ws`` bytes; ``label`` names them in the cases (default: the block size)."""
     n = max(2, ws // nbytes)
-    label = f"{nbytes / MIB:g}MiB"
+    label = label or f"{nbytes / MIB:g}MiB"
     progress(f"dataplane: {label} blocks, {n} in rotation ({n * nbytes / MIB:g} MiB per side)")
     gen = torch.Generator().manual_seed(nbytes)
     hashes = [hashlib.sha256(NS + nbytes.to_bytes(8, "little") + i.to_bytes(8, "little")).digest()

@@ -390,20 +390,28 @@ _FIELD_CHECKS: dict[str, Any] = {
 }
 
 
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {c: tuple(f.name for f in fields(c)) for c in EVENT_TYPES.values()}
+"""Each event class's fields in order (``dataclasses.fields`` builds a tuple per call)."""
+
+
+def _str_check(name: str, value: Any, limits: EventLimits) -> str:
+    return _str(name, value)
+
+
 def _build(cls: type, named: dict[str, Any], limits: EventLimits, packed: bool) -> Event:
     kwargs = {}
-    for f in fields(cls):
-        value = named.get(f.name)
+    for name in _FIELD_NAMES[cls]:
+        value = named.get(name)
         if value is None:
-            if f.name in cls.NEEDED:  # type: ignore[attr-defined]
-                raise EventError(f"{cls.__name__} lacks {f.name!r}")
-            kwargs[f.name] = None
+            if name in cls.NEEDED:  # type: ignore[attr-defined]
+                raise EventError(f"{cls.__name__} lacks {name!r}")
+            kwargs[name] = None
             continue
-        if packed and type(value) is bytes and f.name in _TOKEN_FIELDS:
-            kwargs[f.name] = unpack_token_ids(f"{cls.__name__}.{f.name}", value, limits)
+        if packed and type(value) is bytes and name in _TOKEN_FIELDS:
+            kwargs[name] = unpack_token_ids(f"{cls.__name__}.{name}", value, limits)
             continue
-        check = _FIELD_CHECKS.get(f.name, lambda n, v, lim: _str(n, v))
-        kwargs[f.name] = check(f"{cls.__name__}.{f.name}", value, limits)
+        check = _FIELD_CHECKS.get(name, _str_check)
+        kwargs[name] = check(f"{cls.__name__}.{name}", value, limits)
     return cls(**kwargs)
 
 
@@ -415,7 +423,7 @@ def decode_event(wire: Any, limits: EventLimits = DEFAULT_EVENT_LIMITS, packed: 
     elif isinstance(wire, list) and wire:
         tag = wire[0]
         cls = EVENT_TYPES.get(tag) if isinstance(tag, str) else None
-        names = [f.name for f in fields(cls)] if cls is not None else []
+        names = _FIELD_NAMES[cls] if cls is not None else ()
         named = dict(zip(names, wire[1:]))
     else:
         raise EventError("an event is a map or a non-empty array")

@@ -13,7 +13,8 @@ from contextlib import asynccontextmanager
 import pytest
 
 from kvtier_protocol.buffers import PayloadBuffers
-from kvtier_protocol.frame_stream import POOLED_PAYLOAD_BYTES, SCRATCH_BYTES, FrameStream, read_frame
+from kvtier_protocol.frame_stream import (IN_PLACE_PAYLOAD_BYTES, POOLED_PAYLOAD_BYTES, SCRATCH_BYTES, FrameStream,
+                                          read_frame)
 from kvtier_protocol import frames as fr
 from kvtier_protocol.errors import Truncated
 
@@ -150,3 +151,25 @@ async def test_read_frame_takes_small_payloads_as_they_come_and_large_ones_in_pl
 async def _shut_after(sender: asyncio.Task[None], sock: socket.socket) -> None:
     await sender
     sock.shutdown(socket.SHUT_WR)
+
+
+async def test_payloads_above_a_few_pages_are_received_in_place_and_their_buffers_reused() -> None:
+    """A 512 KiB payload (two 256 KiB blocks) below POOLED_PAYLOAD_BYTES is received straight
+    into a buffer of the pool, not read out of the scratch buffer; the next frames of that size
+    reuse it once the last one's views are gone. At the threshold it is still read as it comes."""
+    mid = [os.urandom(512 << 10) for _ in range(3)]
+    edge = os.urandom(IN_PLACE_PAYLOAD_BYTES)
+    frames = [fr.encode_frame_bytes({"op": "put", "id": i}, p) for i, p in enumerate(mid, 1)]
+    frames.append(fr.encode_frame_bytes({"op": "put", "id": 4}, edge))
+    limits = fr.Limits(max_payload_len=1 << 30)
+    pool = PayloadBuffers(keep_bytes=16 << 20)
+    async with stream_pair() as (stream, _, peer):
+        sender = asyncio.create_task(_send(peer, b"".join(frames)))  # more than the socket buffers
+        for i, payload in enumerate(mid, 1):
+            frame = await read_frame(stream, limits, pool)
+            assert frame is not None and frame.header["id"] == i and bytes(frame.payload) == payload
+            frame = None  # its buffer is free for the next frame
+        last = await read_frame(stream, limits, pool)
+        await sender
+        assert last is not None and bytes(last.payload) == edge
+        assert (pool.made, pool.reused) == (1, 2)  # one buffer for the three, none for the last

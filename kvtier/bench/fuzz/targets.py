@@ -264,7 +264,7 @@ def build_targets(workdir: str | None = None) -> list[Target]:
         Target("frames.read_frame", stream, frame_seeds, structured_frame, close=stream.close),
         Target("header.decode_header", _decode_header, record_seeds, structured_record),
         Target("block.decode_block", decode_block_input, record_seeds, structured_record),
-        Target("events.decode_batch", lambda d: events.decode_batch(d), event_seeds, structured_msgpack),
+        Target("events.decode_batch", lambda d: events.decode_batch(d, packed=True), event_seeds, structured_msgpack),
         Target("events.zmq_frames", zmq_input, _seeds_event_frames(), structured_msgpack, raw_share=0.1),
         Target("namespace.from_wire", namespace_input, ns_seeds, structured_msgpack, raw_share=0.1),
         Target("keys", keys_input, _seeds_keys(), structured_msgpack, raw_share=0.1),

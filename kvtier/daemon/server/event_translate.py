@@ -330,8 +330,8 @@ class EventTranslator:
             else:
                 r_what, r_medium, r_ns, r_kind, r_bs = what, medium, ev.ns_id, kind, block_size
                 # tokens[:] copies: the run's array grows, the cached one must not
-                run = Run(what, array("Q", hashes), parent, tokens[:] if tokens is not None else None, block_size, medium,
-                          kind)
+                run = Run(what, array("Q", hashes), parent, tokens[:] if tokens is not None else None, block_size,
+                          medium, kind)
                 out.append(run)
                 r_nh, r_nt = nh, len(tokens) if tokens is not None else 0
             r_last = ev.chain_hash

@@ -192,8 +192,9 @@ class EventHub:
 
         Returns:
             vLLM events published: accepted by the ZMQ sender (the packed one when it is the
-            only one), or, without an endpoint, made for SSE. 0 for no events, or when the sender is not running (before :meth:`start`,
-            after :meth:`close`) or its queue was full; SSE subscribers get the events anyway.
+            only one), or, without an endpoint, made for SSE. 0 for no events, or when the
+            sender is not running (before :meth:`start`, after :meth:`close`) or its queue was
+            full; SSE subscribers get the events anyway.
         """
         if not store_events:
             return 0

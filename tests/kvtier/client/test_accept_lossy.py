@@ -78,3 +78,30 @@ def test_a_writers_int8_block_keeps_its_codec_in_every_answer(daemon: Daemon) ->
         (record,) = kv.load(NS_ID, [blocks[0][0]])
         assert decode_header(record)[0].codec == "int8"  # never presented as raw
         assert kv.load(NS_ID, [blocks[0][0]], accept_lossy=False) == []
+
+
+def test_a_daemon_with_an_int8_disk_tier_serves_exact_copies_only_to_whoever_asks() -> None:
+    """``kvtier serve`` with ``KVTIER_STORE__DISK_CODEC=int8``: blocks the host tier (64 MiB here)
+    evicts go to disk as int8, a load brings them back int8, and an exact-only request misses them."""
+    directory = tempfile.mkdtemp(prefix="kvd-", dir="/tmp")
+    d = Daemon(directory, env={"KVTIER_STORE__DISK_CODEC": "int8"}).start()
+    try:
+        g = torch.Generator().manual_seed(1)
+        keys = [key(i, b"evicted") for i in range(80)]  # 80 blocks of 1 MiB: the first ones are demoted
+        blocks = [(k, encode_block(torch.randn(32, 2, 8, 16, 64, generator=g).to(torch.bfloat16), ns_id=NS_ID,
+                                   chain_hash=k, parent_hash=keys[i - 1] if i else None, layout="canonical"))
+                  for i, k in enumerate(keys)]
+        with Client.connect(d.socket) as kv:
+            for i in range(0, 80, 8):
+                assert kv.save(NS_ID, blocks[i:i + 8]) == ["stored"] * 8
+            assert kv.lookup(NS_ID, keys).tiers[0] == "disk"
+            assert kv.lookup(NS_ID, keys, accept_lossy=False).num_hits == 0  # block 0 is int8 on disk
+            (record,) = kv.load(NS_ID, keys[:1])
+            h = decode_header(record)[0]
+            assert (h.codec, h.chain_hash, h.ns_id) == ("int8", keys[0], NS_ID)
+            assert len(record) < len(blocks[0][1]) * 6 // 10  # about half the bytes of the raw record
+            assert kv.load(NS_ID, keys[:1], accept_lossy=False) == []
+            assert kv.load(NS_ID, keys[-1:], accept_lossy=False) == [blocks[-1][1]]  # still in host: exact
+    finally:
+        d.stop()
+        shutil.rmtree(directory, ignore_errors=True)

@@ -248,8 +248,12 @@ async def _phase(job: Job, client: Any, items: list[tuple[Any, bytes]]) -> None:
         else:
             got = await client.get([k for k, _ in items])
             for (key, _), value in zip(items, got):
-                if value is None or not verify_record(key, value).ok:
-                    raise RuntimeError("kvtier: a fetched record missing or not the block asked for")
+                if value is None:
+                    raise RuntimeError(f"kvtier: a fetched record missing (errors: {client.counters.errors})")
+                verdict = verify_record(key, value)
+                if not verdict.ok:
+                    raise RuntimeError(f"kvtier: a fetched record not the block asked for: {verdict.reason} "
+                                       f"{verdict.detail}")
         return
     keys = [f"plainbench:{job.client}:{i}".encode() for i in range(len(items))]
     pipe = client.pipeline()

@@ -417,9 +417,10 @@ class RedisClusterBlocks(RemoteBlocks):
     async def _fast_pipeline(self, client: RedisCluster, gate: asyncio.Semaphore,
                              commands: list[tuple[Any, ...]]) -> list[Any]:
         """:meth:`_pipeline` of GETs through :class:`FastGets`: one pipeline per master, all at
-        once. What the slot map cannot place, and what a node answers MOVED / ASK / TRYAGAIN
-        (a slot migrating, a failover redis-py has not seen), goes through redis-py's pipeline,
-        which follows the redirection and updates the map."""
+        once. What the slot map cannot place, what a node answers MOVED / ASK / TRYAGAIN (a slot
+        migrating, a failover redis-py has not seen) and the keys of a node that could not be
+        reached go through redis-py's pipeline, which follows redirections, refreshes the map
+        and answers (or fails) as it did before this path existed."""
         async with gate:
             nodes: dict[tuple[str, int], list[int]] = {}
             slow: list[int] = []
@@ -437,8 +438,10 @@ class RedisClusterBlocks(RemoteBlocks):
                 if isinstance(answer, BaseException):
                     if isinstance(answer, asyncio.CancelledError):
                         raise answer
-                    for i in idx:
-                        replies[i] = answer
+                    # A node not reached (killed, failed over): redis-py tries again the way it
+                    # always did (refreshing its map), within the same deadline.
+                    log.debug("remote fast GET from a node failed: %s", type(answer).__name__)
+                    slow += idx
                     continue
                 for i, reply in zip(idx, answer):
                     if isinstance(reply, (rx.MovedError, rx.AskError, rx.TryAgainError)):
@@ -446,6 +449,7 @@ class RedisClusterBlocks(RemoteBlocks):
                     else:
                         replies[i] = reply
             if slow:
+                slow.sort()
                 pipe = client.pipeline()
                 for i in slow:
                     pipe.execute_command(*commands[i])

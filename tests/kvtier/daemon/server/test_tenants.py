@@ -405,7 +405,7 @@ def test_admin_commands_take_a_tenant(daemon: KvtierDaemon, rest: str, saved_a: 
     rc, out = kvtier("ls", "--blocks", "--all", "--json", "--token-file", str(files["bob"]))  # B's own store
     assert rc == 0 and all(b["ns"] == NS_B.ns_id.hex() for b in json.loads(out)["blocks"])
     rc, out = kvtier("ls", "--blocks", "--tenant", "alice", "--token-file", str(files["bob"]))
-    assert rc == 1 and "not_found" in out
+    assert rc == 2 and "not_found" in out  # refused (HTTP 404): a user error
     rc, out = kvtier("clear", "--ns", NS_A.ns_id.hex(), "--token-file", str(files["bob"]))
     assert rc == 0 and "cleared 0 blocks" in out
     rc, out = kvtier("status", "--tenant", "alice", "--token-file", str(files["admin"]))

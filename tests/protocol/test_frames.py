@@ -643,3 +643,26 @@ def test_generator_reproduces_the_files_on_disk() -> None:
         assert (VECTORS / f"{stem}.bin").read_bytes() == data, stem
         assert (VECTORS / f"{stem}.json").read_text(encoding="utf-8") == gen_wire.json_text(
             description), stem
+
+
+def test_encoded_headers_are_msgpack_packb_bytes_after_a_failed_encode_and_on_other_threads():
+    # encode_frame reuses one msgpack Packer per thread (frame_codec._packer): its bytes are
+    # those of msgpack.packb, also right after a header that could not be encoded.
+    import threading
+
+    from kvtier_protocol.frame_codec import PREAMBLE_LEN
+
+    header = {"op": "place", "id": 7, "lease": 3, "ns_id": b"n" * 16, "hashes": [b"h" * 32] * 2,
+              "positions": (0, 1), "headers": [b"x" * 200, b"y" * 300]}
+    want = msgpack.packb(header, use_bin_type=True)
+    assert fr.encode_frame_bytes(header)[PREAMBLE_LEN:] == want
+    with pytest.raises(fr.FrameError):
+        fr.encode_frame({"id": 1, "bad": object()})
+    with pytest.raises(fr.FrameError):
+        fr.encode_frame({"id": 1, "big": [1, 1 << 70]})
+    assert fr.encode_frame_bytes(header)[PREAMBLE_LEN:] == want
+    got: list[bytes] = []
+    thread = threading.Thread(target=lambda: got.append(fr.encode_frame_bytes(header)))
+    thread.start()
+    thread.join()
+    assert got == [fr.encode_frame_bytes(header)]

@@ -182,16 +182,17 @@ class RequestHandler:
         store = self.scope(session).store
         res = await store.grant(req.sizes, lease_s=req.lease_ms / 1000,
                                 priority=_priority(store, req.priority))
-        if res.lease_id:
-            session.leases[res.lease_id] = GrantLease({i for i, s in enumerate(res.slots) if s is not None})
-        slots = tuple(None if s is None else _slot_ref(s) for s in res.slots)
-        return fr.GrantResponse(req.id, res.lease_id, slots)
+        if res.lease_id:  # the granted slots are a prefix of the sizes: FULL from the first without room
+            session.leases[res.lease_id] = GrantLease(set(range(res.num_reserved)))
+        # A Slot is the (segment, offset, length) tuple of the wire's SlotRef: sent as it is.
+        return fr.GrantResponse(req.id, res.lease_id, tuple(res.slots))
 
     async def _place(self, req: fr.PlaceRequest, session: Session) -> fr.Message:
         info = _held(session, req.lease, GrantLease, "grant")
         scope = self.scope(session)
         headers: Sequence[bytes] = req.headers  # type: ignore[assignment]  # PlaceRequest: never nil
         tokens = self._publishing(scope, req.ns_id, req.hashes, headers, req.tokens, req.unit_hashes)
+        tokens_given = req.tokens is not None  # else every entry of ``tokens`` is None
         store = scope.store
         verified = store.config.verify_on_commit or store.config.write_through  # else no key fails
         before = store.counters.checksum_failures if verified else 0
@@ -200,6 +201,10 @@ class RequestHandler:
         info.open.difference_update(req.positions)  # placed, or freed for keys already stored
         if not info.open:
             del session.leases[req.lease]
+        if done.count(_PLACED) == len(done):  # the common place: every key new and stored
+            if tokens_given:
+                _note_tokens(scope, req.ns_id, tokens, [True] * len(done))
+            return fr.PlaceResponse(req.id, ("stored",) * len(done))
         ok = [d is PlaceStatus.PLACED for d in done]
         failed = sum(d is PlaceStatus.FAILED for d in done)
         if failed:  # all or nothing, like commit
@@ -213,7 +218,7 @@ class RequestHandler:
         if got.lease_id:
             session.leases[got.lease_id] = None
         missing = len(req.hashes) - len(got.blocks)
-        slots = tuple(_slot_ref(b.slot) for b in got.blocks) + (None,) * missing
+        slots = tuple([b.slot for b in got.blocks]) + (None,) * missing  # Slots are SlotRef tuples
         headers = tuple(b.header for b in got.blocks) + (None,) * missing
         checked = tuple(b.checked for b in got.blocks) + (False,) * missing
         return fr.AcquireResponse(req.id, got.lease_id, slots, headers, checked if any(checked) else None)
@@ -353,7 +358,7 @@ def _priority(store: TieredStore, wire_priority: int) -> int:
 
 
 def _namespace(store: TieredStore, ns_id: bytes) -> Namespace | None:
-    return next((ns for ns in store.namespaces() if ns.ns_id == ns_id), None)
+    return store.namespace(ns_id)
 
 
 def _note_tokens(scope: Scope, ns_id: bytes, tokens: list[BlockTokens | None], ok: list[bool]) -> None:
@@ -416,6 +421,7 @@ async def _undo(store: TieredStore, ns_id: bytes, hashes: Sequence[bytes], ok: S
 
 
 _SHM_OPS = frozenset({"reserve", "commit", "acquire", "grant", "place"})
+_PLACED = PlaceStatus.PLACED
 _NOT_RESERVED = {PutStatus.STORED: fr.EXISTS, PutStatus.PENDING: fr.EXISTS, PutStatus.FULL: None}
 _PUT_RESULT = {PutStatus.STORED: "exists", PutStatus.PENDING: "exists", PutStatus.FULL: "full",
                PutStatus.RESERVED: "full"}  # RESERVED but not committed only happens on failure

@@ -28,6 +28,7 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right, insort
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kvtier_protocol.errors import CapacityError, InvalidRequest
 
@@ -35,7 +36,7 @@ from kvtier.daemon.store.types import Slot
 
 MIB = 1 << 20
 _MIN_SLAB_BYTES = 1 * MIB  # a class's first slab: small, so a size used once wastes little
-_new_slot = tuple.__new__  # Slot(...) without its generated __new__: the slab path runs per block
+_new_slot = tuple.__new__  # Slot(...), _Live(...) without their generated __new__: the slab path runs per block
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,8 +67,10 @@ class _Slab:
         return self.slot_bytes * self.num_slots
 
 
-@dataclass(slots=True)
-class _Live:
+class _Live(NamedTuple):
+    """What one handed-out slot took. A named tuple (read-only), built with ``tuple.__new__`` on
+    the slab path: one is made per block reserved, where a dataclass's ``__init__`` costs a call."""
+
     slab: _Slab | None  # None: a dedicated extent
     reserved: int  # bytes this slot takes (class size, or the extent length)
     requested: int
@@ -236,7 +239,7 @@ class SlabAllocator:
         if not slab.free:
             del self._partial[cb][slab]
         offset = slab.offset + index * cb
-        self._live[(slab.segment, offset)] = _Live(slab, cb, nbytes)
+        self._live[(slab.segment, offset)] = _new_slot(_Live, (slab, cb, nbytes))
         self._allocated += cb
         self._requested += nbytes
         return _new_slot(Slot, (slab.segment, offset, nbytes))

@@ -54,6 +54,7 @@ DIGEST = struct.Struct("<Q")  # xxh3-64 of the entry's fixed part and header
 COMMIT, FREE = 1, 2
 COMPACT_MIN_BYTES = 1 << 20
 FLUSH_BYTES = 256 << 10  # pending appends written at once beyond this, whatever the caller does
+_ENTRY_OVERHEAD = ENTRY.size + DIGEST.size  # bytes of an entry besides its header
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,8 +107,12 @@ class SegmentDirectory:
 
 
 def _entry(kind: int, slot: Slot, priority: int, header: bytes) -> bytes:
-    fixed = ENTRY.pack(ENTRY_MAGIC, kind, priority, slot.segment, slot.offset, slot.length, len(header))
-    return fixed + header + DIGEST.pack(xxhash.xxh3_64_intdigest(fixed + header))
+    segment, offset, length = slot
+    body = _pack_entry(ENTRY_MAGIC, kind, priority, segment, offset, length, len(header)) + header
+    return body + _pack_digest(_digest(body))
+
+
+_pack_entry, _pack_digest, _digest = ENTRY.pack, DIGEST.pack, xxhash.xxh3_64_intdigest  # _entry runs per block
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,13 +180,18 @@ class SlotJournal:
 
     def commit(self, slot: Slot, priority: int, header: bytes) -> None:
         """Note a host copy that became visible (written at the next :meth:`flush`)."""
-        key = (slot.segment, slot.offset)
-        old = self._live.get(key)
+        key = (slot[0], slot[1])  # (segment, offset)
+        live = self._live
+        old = live.get(key)
         if old is not None:
-            self._live_bytes -= len(old[2]) + ENTRY.size + DIGEST.size
-        self._live[key] = (slot, priority, header)
-        self._live_bytes += len(header) + ENTRY.size + DIGEST.size
-        self._append(_entry(COMMIT, slot, priority, header))
+            self._live_bytes -= len(old[2]) + _ENTRY_OVERHEAD
+        live[key] = (slot, priority, header)
+        self._live_bytes += len(header) + _ENTRY_OVERHEAD
+        entry = _entry(COMMIT, slot, priority, header)
+        self._pending.append(entry)  # _append, inline: this runs per block committed
+        self._pending_bytes += len(entry)
+        if self._pending_bytes >= FLUSH_BYTES:
+            self.flush()
 
     def free(self, slot: Slot) -> None:
         """Note a journaled slot freed or its block deleted; a slot never journaled is ignored."""

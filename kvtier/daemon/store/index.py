@@ -16,11 +16,15 @@ Charges: a memory tier (GPU, host) is charged the payload size; the disk tier th
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvtier.daemon.store.policy import PriorityLru
 from kvtier.daemon.store.types import NS_ID_LEN, TIER_WIRE_NAMES, BlockKey, Slot, Tier, split_key
+
+if TYPE_CHECKING:
+    from kvtier_protocol.header import BlockHeader
 
 TIERS = (Tier.GPU, Tier.HOST, Tier.DISK)
 """Tiers the index accounts for, fastest first (REMOTE is not local bookkeeping)."""
@@ -28,6 +32,7 @@ _GPU, _HOST, _DISK = TIERS
 _GPU_NAME, _HOST_NAME, _DISK_NAME = (TIER_WIRE_NAMES[t] for t in TIERS)
 _GPU_BIT, _HOST_BIT, _DISK_BIT = 1, 2, 4
 _QUEUE_BITS = {_GPU: _GPU_BIT, _HOST: _HOST_BIT, _DISK: _DISK_BIT}
+_MEMORY_BITS = _GPU_BIT | _HOST_BIT
 
 
 class BlockState(enum.Enum):
@@ -248,6 +253,47 @@ class BlockIndex:
             keys = self._by_ns[key[:NS_ID_LEN]] = set()
         keys.add(key)
 
+    def known(self, keys: Iterable[BlockKey]) -> set[BlockKey]:
+        """Those of ``keys`` that are linked (pending or committed), in one C-level pass."""
+        return self._blocks.keys() & keys
+
+    def place_many(self, metas: Sequence[BlockMeta], keys: Sequence[BlockKey], recall: Callable[[BlockKey], int],
+                   headers: Sequence[bytes], parsed: Sequence[BlockHeader], now: float, checked: bool) -> None:
+        """:meth:`rename` each pending, leased block ``metas[i]`` to ``keys[i]`` (none of them
+        linked; ``recall(key)``: its prior accesses), then :meth:`commit_reserved` it with
+        ``headers[i]`` and the summary ``parsed[i]``: the place hot path, one pass over a batch
+        of granted slots instead of two calls per block.
+        """
+        blocks, by_ns, committed, refresh = self._blocks, self._by_ns, BlockState.COMMITTED, self._refresh
+        for meta, key, buf, h in zip(metas, keys, headers, parsed):
+            assert meta.linked and meta.state is not committed and meta.leases > 0, "place takes leased pending blocks"
+            assert key not in blocks, "key already indexed"
+            assert not meta.on_disk, "the disk charge depends on the header; place on disk after commit"
+            old_key = meta.key
+            old = by_ns[old_key[:NS_ID_LEN]]
+            old.discard(old_key)
+            if not old:
+                del by_ns[old_key[:NS_ID_LEN]]
+            del blocks[old_key]
+            meta.key = key
+            meta.prior_accesses = recall(key)
+            blocks[key] = meta
+            ns_keys = by_ns.get(key[:NS_ID_LEN])
+            if ns_keys is None:
+                ns_keys = by_ns[key[:NS_ID_LEN]] = set()
+            ns_keys.add(key)
+            meta.header = bytes(buf)
+            meta.parent_hash = h.parent_hash
+            meta.num_tokens = h.num_tokens
+            meta.checksum = h.checksum
+            meta.state = committed
+            meta.last_access = now
+            if checked and meta.host_slot is not None:
+                meta.host_checked = True
+            meta.leases -= 1
+            refresh(meta)
+        self.pending -= len(metas)
+
     def commit_reserved(self, meta: BlockMeta, header: bytes, parent_hash: bytes | None, num_tokens: int,
                         checksum: int, now: float, *, checked: bool) -> None:
         """:meth:`commit`, then (``checked``) :meth:`mark_host_checked`, then :meth:`unlease`, in
@@ -371,16 +417,46 @@ class BlockIndex:
         self._refresh(meta)
 
     def lease_all(self, metas: Iterable[BlockMeta]) -> None:
-        """:meth:`lease` each of ``metas`` (an acquired prefix: one call, not one per block)."""
-        refresh = self._refresh
+        """:meth:`lease` each of ``metas`` (an acquired prefix: one call, not one per block).
+
+        A lease only takes a block out of the memory tiers' queues (:meth:`_refresh`), so a
+        block in none of them (leased already) is left as it is, and the common block, queued
+        for host eviction only, leaves that queue here without the general refresh.
+        """
+        refresh, host_classes = self._refresh, self._lru[_HOST].classes
         for meta in metas:
             meta.leases += 1
-            refresh(meta)
+            queued = meta.queued
+            if queued == _HOST_BIT:
+                del host_classes[meta.priority][meta]
+                meta.queued = 0
+            elif queued & _MEMORY_BITS:
+                refresh(meta)
 
     def unlease(self, meta: BlockMeta) -> None:
         assert meta.leases > 0, "unbalanced unlease"
         meta.leases -= 1
         self._refresh(meta)
+
+    def unlease_all(self, metas: Iterable[BlockMeta]) -> None:
+        """:meth:`unlease` each of ``metas`` (a released get lease: one call, not one per block).
+
+        A block still leased stays out of the memory queues (nothing to refresh); the common
+        block, a committed host-only copy in no queue, goes back into the host queue as most
+        recently used here, without the general refresh.
+        """
+        refresh, host_classes, committed = self._refresh, self._lru[_HOST].classes, BlockState.COMMITTED
+        for meta in metas:
+            assert meta.leases > 0, "unbalanced unlease"
+            meta.leases -= 1
+            if meta.leases:
+                continue
+            if (not meta.queued and meta.host_slot is not None and meta.gpu_slot is None and not meta.on_disk
+                    and meta.linked and meta.state is committed and not meta.moving):
+                host_classes[meta.priority][meta] = None  # not queued: appended, i.e. most recent
+                meta.queued = _HOST_BIT
+            else:
+                refresh(meta)
 
     def set_moving(self, meta: BlockMeta, moving: bool) -> None:
         meta.moving = moving

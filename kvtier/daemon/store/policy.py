@@ -35,6 +35,13 @@ class PriorityLru(Generic[T]):
     def num_classes(self) -> int:
         return len(self._classes)
 
+    @property
+    def classes(self) -> list[OrderedDict[T, None]]:
+        """The queue of each class, least recent first: for a caller's per-block hot path
+        (``BlockIndex.lease_all``), which may insert an item not queued yet (most recent) or
+        delete a queued one, and nothing else."""
+        return self._classes
+
     def __len__(self) -> int:
         return sum(len(c) for c in self._classes)
 

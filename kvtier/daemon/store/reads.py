@@ -30,7 +30,7 @@ from kvtier.daemon.store.moves import Mover
 from kvtier.daemon.store.results import EMPTY_ACQUIRED, Acquired, AcquiredBlock
 from kvtier.daemon.store.stats import EventKind, StoreCounters
 from kvtier.daemon.store.transfers import load_records
-from kvtier.daemon.store.types import BlockKey, Tier
+from kvtier.daemon.store.types import NS_ID_LEN, BlockKey, Tier
 
 
 class BlockReader:
@@ -96,8 +96,11 @@ class BlockReader:
         blocks = []
         for meta in metas:
             meta.hits += 1
-            touch(meta, now)
-            blocks.append(AcquiredBlock(meta.chain_hash, meta.host_slot, meta.header, host, host,  # type: ignore[arg-type]
+            if meta.queued:  # leased: queued for disk eviction at most
+                touch(meta, now)
+            else:
+                meta.last_access = now  # touch() of a block in no queue
+            blocks.append(AcquiredBlock(meta.key[NS_ID_LEN:], meta.host_slot, meta.header, host, host,  # type: ignore[arg-type]
                                         meta.host_checked))
         return Acquired(lease.lease_id, blocks, lease.expires_at)
 

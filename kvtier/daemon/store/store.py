@@ -117,6 +117,8 @@ class TieredStore:
             self._namespaces.update({ns.ns_id: ns for ns in self._parts.disk.namespaces()})
         self.host_recovery = shared.recovery[0] if shared.recovery else None
         self.remote.attach(self._parts.mover)
+        if self.host_recovery is not None:  # write-through: what survived a crash the cluster may lack
+            self.remote.offer_missing([m for m in self.index.blocks() if m.host_slot is not None], wait_for_room=True)
         if self.config.scrub_commits:
             self._scrubber = CommitScrubber(self.index, self._parts.mover, self._counters, self._mutex)
             self._scrubber.start()
@@ -199,6 +201,11 @@ class TieredStore:
 
     def namespaces(self) -> list[Namespace]:
         return list(self._namespaces.values())
+
+    def namespace(self, ns_id: bytes) -> Namespace | None:
+        """The registered namespace ``ns_id`` (None when unknown): one dict probe, for the
+        request path, where :meth:`namespaces` would build a list per request."""
+        return self._namespaces.get(ns_id)
 
     # --- get -----------------------------------------------------------------------------------
 
@@ -540,7 +547,11 @@ class TieredStore:
 
     def _end_lease(self, lease: Lease[BlockMeta]) -> None:
         if lease.kind is LeaseKind.GET:
-            self.mover.unlease_all(lease.held)
+            mover = self.mover
+            if mover.zombies:  # a block removed while leased is freed with its last lease
+                mover.unlease_all(lease.held)
+            else:
+                self.index.unlease_all(lease.held)
             return
         for meta in lease.held:
             self.index.unlease(meta)

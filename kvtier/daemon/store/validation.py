@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from kvtier_protocol.errors import (CapacityError, HeaderError, InvalidKey, InvalidRequest,
                                     NamespaceError)
@@ -166,12 +167,31 @@ def check_header(buf: bytes, key: BlockKey, size: int, namespace: Namespace | No
     return h
 
 
+_GEOMETRY_OK: dict[tuple[Any, ...], Namespace] = {}
+"""Header geometries found to fit a namespace, by ``(id(ns), layout, shape, tokens, dtype,
+codec)``: every block of a stream has the same, and the full check costs ~10 us (a layout's
+geometry from the shape), against one probe here. The value keeps the namespace alive, so its
+id is never another's while the entry exists."""
+_GEOMETRY_MEMO_MAX = 4096
+
+
 def check_geometry(h: BlockHeader, ns: Namespace) -> None:
     """Raises NamespaceError when a header's block cannot belong to ``ns``.
 
     Tokens, dtype, codec and the layout's geometry must match; the layout itself may be any that
     describes the namespace's attention kind (engines keep different layouts of the same KV).
+    A geometry that passed is remembered (:data:`_GEOMETRY_OK`): it depends on nothing else.
     """
+    memo = (id(ns), h.layout, h.shape, h.num_tokens, h.dtype, h.codec)
+    if memo in _GEOMETRY_OK:
+        return
+    _check_geometry(h, ns)
+    if len(_GEOMETRY_OK) >= _GEOMETRY_MEMO_MAX:
+        _GEOMETRY_OK.clear()
+    _GEOMETRY_OK[memo] = ns
+
+
+def _check_geometry(h: BlockHeader, ns: Namespace) -> None:
     layout = get_layout(h.layout)
     g = layout.geometry_of(h.shape)
     problems = []

@@ -22,6 +22,8 @@ from kvtier.daemon.store.types import GRANT_NS, BlockKey, Slot, Tier
 
 _GPU, _HOST = Tier.GPU, Tier.HOST  # module constants: Enum member access is a slow path in Python 3.11
 _STORED = EventKind.STORED
+_RESERVED, _FULL = PutStatus.RESERVED, PutStatus.FULL
+_PLACED = PlaceStatus.PLACED
 
 
 class BlockWriter:
@@ -90,8 +92,35 @@ class BlockWriter:
         reservation, and :meth:`place` only renames it.
         """
         width = self.cfg.hash_bytes
-        keys = [BlockKey(GRANT_NS + next(self._placeholders).to_bytes(width, "big")) for _ in sizes]
-        return await self.reserve(keys, sizes, ttl, priority, tier, LeaseKind.GRANT)
+        counter = self._placeholders
+        # BlockKey is a NewType (identity at run time): calling it per key would only cost a call.
+        keys: list[BlockKey] = [GRANT_NS + next(counter).to_bytes(width, "big") for _ in sizes]  # type: ignore[misc]
+        now = self.now()
+        # Placeholder keys are new by construction (a counter no caller's key can name: GRANT_NS is
+        # refused in requests), so none is looked up, and none has an admission ghost to recall.
+        await self.mover.make_room(tier, sum(sizes))
+        index, mover = self.index, self.mover
+        add_reserved = index.add_reserved
+        pool = mover.memory(tier)
+        slots: list[Slot | None] = []
+        blocks: list[BlockMeta | None] = []
+        for size in sizes:
+            # After make_room the slots usually fit as they are; allocate evicts when they do not.
+            slot = pool.allocate(size) if index.has_room(tier, size) else None
+            if slot is None:
+                slot = await mover.allocate(tier, size)
+                if slot is None:
+                    break  # FULL from here on: the rest of the grant gets no slot
+            blocks.append(add_reserved(keys[len(blocks)], size, tier, slot, priority, 0))
+            slots.append(slot)
+        n = len(blocks)
+        status = [_RESERVED] * n + [_FULL] * (len(sizes) - n)
+        if not n:
+            return Reservation(0, [None] * len(sizes), status, tier=tier)
+        slots += [None] * (len(sizes) - n)
+        blocks += [None] * (len(sizes) - n)
+        lease = self.leases.open(LeaseKind.GRANT, keys, blocks, now + ttl)
+        return Reservation(lease.lease_id, slots, status, lease.expires_at, tier)
 
     async def place(self, lease_id: int, metas: Sequence[BlockMeta], keys: Sequence[BlockKey],
                     headers: Sequence[bytes], parsed: Sequence[BlockHeader], *,
@@ -100,9 +129,17 @@ class BlockWriter:
         rename each slot's placeholder ``metas[i]`` (already taken out of its grant, so that
         expiry cannot reclaim it meanwhile) to ``keys[i]`` and commit them as one reservation."""
         index = self.index
+        known = index.known(keys)  # stored, or another client is writing it: not twice
+        if not known and not self._verifies:
+            # The common place: every key new, nothing to copy or await. Renamed and committed
+            # in one pass over the batch (index.place_many), then announced.
+            index.place_many(metas, keys, self.admission.recall, headers, parsed, self.now(), checked)
+            self._announce_many(metas)
+            self.mover.host.journal_flush()  # before the place is acknowledged
+            return [_PLACED] * len(metas)
         blocks: list[BlockMeta | None] = []
         for meta, key in zip(metas, keys):
-            if index.get(key) is not None:  # stored, or another client is writing it: not twice
+            if key in known:
                 index.unlease(meta)
                 self.abandon(meta)
                 blocks.append(None)
@@ -114,6 +151,11 @@ class BlockWriter:
                                checked=checked)
         return [PlaceStatus.EXISTS if b is None else PlaceStatus.PLACED if good else PlaceStatus.FAILED
                 for b, good in zip(blocks, ok)]
+
+    @property
+    def _verifies(self) -> bool:
+        """Whether a commit copies its payloads out first (verify_on_commit, write-through)."""
+        return self.cfg.verify_on_commit or self.cfg.write_through
 
     async def commit(self, lease: Lease[BlockMeta], headers: Sequence[bytes | None],
                      parsed: Sequence[BlockHeader | None], *, checked: bool = False) -> list[bool]:
@@ -165,6 +207,7 @@ class BlockWriter:
         now = self.now()
         ok = [False] * len(lease.keys)
         commit_reserved = self.index.commit_reserved
+        done: list[BlockMeta] = []
         for i, (meta, buf, h) in enumerate(zip(lease.blocks, headers, parsed)):
             if meta is None:
                 continue
@@ -174,9 +217,36 @@ class BlockWriter:
                 continue
             commit_reserved(meta, bytes(buf), h.parent_hash, h.num_tokens, h.checksum, now, checked=checked)
             ok[i] = True
-            self._announce(meta)
+            done.append(meta)
+        self._announce_many(done)
         self.mover.host.journal_flush()  # before the commit is acknowledged
         return ok
+
+    def _announce_many(self, metas: Sequence[BlockMeta]) -> None:
+        """:meth:`_announce` of blocks committed by one trusted commit or place (never on disk
+        yet): the counters once for the batch, then each block's STORED event in order."""
+        if not metas:
+            return
+        c = self.counters
+        c.commits += len(metas)
+        tiers = c.tiers
+        host_bytes = gpu_bytes = 0
+        mover = self.mover
+        emit, remote = mover.emit, mover.remote
+        for meta in metas:
+            assert not meta.on_disk, "a trusted commit writes nothing to disk"
+            if meta.gpu_slot is not None:  # where it was reserved
+                gpu_bytes += meta.size
+                emit(_STORED, _GPU, meta)
+            else:
+                host_bytes += meta.size
+                emit(_STORED, _HOST, meta)
+                if remote is not None:  # a GPU block is offered when it reaches host
+                    remote.offer(meta)
+        if host_bytes:
+            tiers[_HOST].bytes_in += host_bytes
+        if gpu_bytes:
+            tiers[_GPU].bytes_in += gpu_bytes
 
     def _announce(self, meta: BlockMeta) -> None:
         c = self.counters

@@ -241,3 +241,74 @@ def test_a_fused_reserve_beyond_capacity_or_of_a_known_key_is_an_invariant_viola
         index.add_reserved(key(1), 10, Tier.HOST, Slot(0, 600, 10), 0, 0)
     with pytest.raises(AssertionError, match="capacity"):
         index.add_reserved(key(2), 600, Tier.HOST, Slot(0, 600, 600), 0, 0)
+
+
+def test_lease_all_and_unlease_all_keep_the_queues_as_lease_and_unlease_one_by_one(index):
+    # Their fast paths (a host-only block leaves and re-enters the host queue directly) against
+    # the general refresh: blocks on disk too, in GPU too, leased twice, a pending one.
+    host_only = [committed(index, i) for i in range(3)]
+    on_disk = committed(index, 3)
+    index.place(on_disk, Tier.DISK)
+    both = BlockIndex({Tier.GPU: 1000, Tier.HOST: 1000, Tier.DISK: 5000}, num_classes=3)
+    in_gpu = committed(both, 4)
+    both.place(in_gpu, Tier.GPU, Slot(1, 0, 100))
+    metas = [*host_only, on_disk]
+    index.lease_all(metas)
+    index.lease_all(host_only[:1])  # leased twice
+    both.lease_all([in_gpu])
+    assert index.accounting_errors() == [] and both.accounting_errors() == []
+    assert list(index.victims(Tier.HOST)) == [] and list(index.victims(Tier.DISK)) == [on_disk]
+    assert list(both.victims(Tier.GPU)) == [] and list(both.victims(Tier.HOST)) == []
+    index.unlease_all(reversed(metas))  # released in another order: re-queued most recent last
+    assert index.accounting_errors() == []
+    assert list(index.victims(Tier.HOST)) == [on_disk, host_only[2], host_only[1]]  # host_only[0]: still leased
+    index.unlease_all(host_only[:1])
+    both.unlease_all([in_gpu])
+    assert list(index.victims(Tier.HOST)) == [on_disk, host_only[2], host_only[1], host_only[0]]
+    assert index.accounting_errors() == [] and both.accounting_errors() == []
+    assert list(both.victims(Tier.GPU)) == [in_gpu] and list(both.victims(Tier.HOST)) == [in_gpu]
+
+
+def test_place_many_renames_and_commits_pending_blocks_as_rename_then_commit_reserved(index):
+    grant_ns = b"g" * 16
+    pending = [index.add_reserved(key(i, grant_ns), 100, Tier.HOST, Slot(0, i * 100, 100), 1, 0) for i in range(3)]
+    other = index.add_reserved(key(9, grant_ns), 100, Tier.HOST, Slot(0, 900, 100), 0, 0)
+    keys = [key(i) for i in range(3)]
+    recalled = {keys[1]: 5}
+
+    class H:  # the parsed header fields a commit keeps
+        def __init__(self, i):
+            self.parent_hash, self.num_tokens, self.checksum = (None if i == 0 else b"p" * 32), 16, 1000 + i
+
+    index.place_many(pending, keys, lambda k: recalled.get(k, 0), [b"h%d" % i for i in range(3)],
+                     [H(i) for i in range(3)], 7.0, checked=True)
+    assert index.accounting_errors() == [] and index.pending == 1
+    assert [m.key for m in index.lookup(keys)] == keys and index.get(key(0, grant_ns)) is None
+    assert [m.key for m in index.namespace(grant_ns)] == [other.key]
+    assert [(m.header, m.checksum, m.prior_accesses, m.leases, m.host_checked, m.last_access) for m in pending] == [
+        (b"h0", 1000, 0, 0, True, 7.0), (b"h1", 1001, 5, 0, True, 7.0), (b"h2", 1002, 0, 0, True, 7.0)]
+    assert list(index.victims(Tier.HOST)) == pending  # committed, unleased: queued in order
+    assert index.known([keys[0], key(9, grant_ns), key(5)]) == {keys[0], key(9, grant_ns)}
+
+
+def test_a_geometry_remembered_for_one_namespace_is_still_checked_against_another():
+    # validation.check_geometry remembers geometries that passed (one probe per block after the
+    # first); the memo is per namespace object, so a namespace that disagrees still refuses them.
+    from kvtier_protocol.errors import NamespaceError
+    from kvtier_protocol.header import BlockHeader, Section
+    from kvtier_protocol.namespace import Namespace
+
+    from kvtier.daemon.store.validation import check_geometry
+
+    fields = dict(model="m", revision="r", attention="mha", num_kv_heads=1, head_dim=64, kv_dtype="float16",
+                  block_tokens=16, hash_tokens=16)
+    one, two = Namespace(num_layers=1, **fields), Namespace(num_layers=2, **fields)
+    h = BlockHeader(ns_id=one.ns_id, chain_hash=b"c" * 32, parent_hash=None, num_tokens=16, layout="canonical",
+                    shape=(1, 2, 1, 16, 64), dtype="float16", codec="raw", sections=(Section("payload", 0, 4096),),
+                    payload_len=4096, checksum=0)
+    for _ in range(2):  # the second time from the memo
+        check_geometry(h, one)
+        with pytest.raises(NamespaceError):
+            check_geometry(h, two)
+    with pytest.raises(NamespaceError):  # bfloat16: another geometry, checked in full
+        check_geometry(BlockHeader(**{**{f: getattr(h, f) for f in h.__slots__}, "dtype": "bfloat16"}), one)

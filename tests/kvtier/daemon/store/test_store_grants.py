@@ -144,3 +144,43 @@ async def test_verify_on_commit_fails_a_placed_block_with_a_bad_payload(open_sto
         == [PlaceStatus.PLACED, PlaceStatus.FAILED]
     assert store.lookup(NS, hashes([a, b])).num_hits == 1 and store.counters.checksum_failures == 1
     assert store.index.used[Tier.HOST] == BLOCK
+
+
+async def test_the_batched_place_keeps_the_index_as_renaming_and_committing_one_by_one_would(open_store):
+    # The common place (every key new, no verify): renamed and committed in one pass
+    # (BlockIndex.place_many); blocks, namespaces, LRU queues, charges and leases as before.
+    store = await open_store()
+    recs = [make_rec(i) for i in range(6)]
+    grant = await store.grant([BLOCK] * 6)
+    for slot, rec in zip(grant.slots, recs):
+        store.host.view(slot)[:] = rec.payload
+    assert await store.place(grant.lease_id, NS, hashes(recs[:4]), [0, 1, 2, 3], [r.header for r in recs[:4]],
+                             checked=True) == [PlaceStatus.PLACED] * 4
+    assert store.index.accounting_errors() == []
+    assert store.gauges().pending == 2 and store.lookup(NS, hashes(recs)).num_hits == 4
+    assert list(store.iter_blocks(GRANT_NS)) == [] and len(store.index.namespace(GRANT_NS)) == 2
+    assert all(store.index.visible(NS + r.chain_hash).host_checked for r in recs[:4])
+    before = store.counters
+    assert await store.place(grant.lease_id, NS, hashes(recs[4:]), [4, 5], [r.header for r in recs[4:]]) \
+        == [PlaceStatus.PLACED] * 2
+    after = store.counters
+    assert after.commits - before.commits == 2
+    assert after.tiers[Tier.HOST].bytes_in - before.tiers[Tier.HOST].bytes_in == 2 * BLOCK
+    assert store.index.namespace(GRANT_NS) == [] and store.index.accounting_errors() == []
+    events = [e for e in store.take_events() if e.ns_id == NS]
+    assert [e.chain_hash for e in events] == hashes(recs)  # one STORED each, in order
+    assert await get(store, NS, hashes(recs)) == [(r.header, r.payload) for r in recs]
+    assert store.index.accounting_errors() == [] and (await store.check()).ok
+
+
+async def test_a_grant_past_the_room_left_grants_a_prefix_and_answers_full_for_the_rest(open_store):
+    store = await open_store(host_bytes=4 * BLOCK, host_segment_bytes=4 * BLOCK)
+    await put(store, [make_rec(9)])
+    # A pending block is never evicted: the grant gets the 3 slots left beside it, a prefix.
+    held = await store.reserve(NS, hashes([make_rec(8)]), [BLOCK])
+    grant = await store.grant([BLOCK] * 5)
+    assert grant.status == [PutStatus.RESERVED] * 3 + [PutStatus.FULL] * 2  # block 9 was evicted for them
+    assert grant.slots[3:] == [None, None] and all(s is not None for s in grant.slots[:3])
+    assert store.index.accounting_errors() == [] and store.gauges().pending == 4
+    assert store.release(grant.lease_id) and store.release(held.lease_id)
+    assert store.gauges().pending == 0 and store.index.accounting_errors() == []

@@ -123,6 +123,9 @@ class EventsConfig:
     Attributes:
         endpoint: ZMQ endpoint of the PUB socket (``tcp://127.0.0.1:5557``); None: no publisher.
         replay_endpoint: ZMQ endpoint of the replay ROUTER; None: no replay.
+        packed_endpoint: a second PUB endpoint with the same batches whose token ids are packed
+            (SPEC.md §9.8: a msgpack bin of uint32s; kvtier's own subscribers decode it several
+            times faster); None: none. The vLLM-compatible ``endpoint`` is unchanged by it.
         topic: topic of every message, ``kv@<pod>@<model>``; load_config computes
             ``kv@<hostname>@kvtier`` when it is empty.
         legacy_array: encode events as arrays (vLLM before map encoding) instead of maps.
@@ -132,13 +135,14 @@ class EventsConfig:
 
     endpoint: str | None = None
     replay_endpoint: str | None = None
+    packed_endpoint: str | None = None
     topic: str = ""
     legacy_array: bool = False
     buffer_steps: int = 10000
     hwm: int = 100000
 
     def __post_init__(self) -> None:
-        for name in ("endpoint", "replay_endpoint"):
+        for name in ("endpoint", "replay_endpoint", "packed_endpoint"):
             value = getattr(self, name)
             if value is not None and not _ZMQ_ENDPOINT.fullmatch(typed(f"events.{name}", value, str)):
                 raise ConfigError(f"events.{name} must be a ZMQ endpoint such as tcp://127.0.0.1:5557, got {value!r}")

@@ -50,7 +50,7 @@ SIZE_OPTIONS = frozenset({"store.host_bytes", "store.host_segment_bytes", "store
                           "dataplane.max_connection_buffer_bytes", "dataplane.max_buffer_bytes",
                           "remote.upload_queue_bytes"})
 NULLABLE = frozenset({"dataplane.socket", "dataplane.listen", "rest.listen", "events.endpoint",
-                      "events.replay_endpoint", "auth.token", "remote.url", "remote.user", "remote.password_file",
+                      "events.replay_endpoint", "events.packed_endpoint", "auth.token", "remote.url", "remote.user", "remote.password_file",
                       "remote.tls_ca_file"})
 """Options that take ``"off"`` (or ``""``) for None."""
 

@@ -121,7 +121,7 @@ class TenantConfig:
         """The tenant's event hub: its own endpoints (if any) and topic ``<base topic>/<name>``."""
         try:
             return dataclasses.replace(base, endpoint=self.events_endpoint,
-                                       replay_endpoint=self.events_replay_endpoint,
+                                       replay_endpoint=self.events_replay_endpoint, packed_endpoint=None,
                                        topic=f"{base.topic}/{self.name}")
         except ConfigError as e:
             raise ConfigError(f"tenants.{self.name}: {e.message}") from None

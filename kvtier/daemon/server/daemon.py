@@ -150,7 +150,7 @@ class Daemon:
         self._metrics = Metrics(gpu=nvidia_driver_present())
         self._tenants = await tenancy.open_tenants(cfg, self._metrics, gpu_checked)
         auth = Auth.from_config(cfg.auth, cfg.data_dir, cfg.tenants)
-        self._events = EventHub(cfg.events, self._metrics)
+        self._events = EventHub(cfg.events, self._metrics, packed_endpoint=cfg.events.packed_endpoint)
         self.ctx = ctx = DaemonContext(cfg, self._store, auth, self._metrics, self._events, started_at,
                                        tenants=self._tenants)
         self._metrics.bind(ctx)
@@ -168,7 +168,7 @@ class Daemon:
             log.info("kvtierd listening %s", ep)
         for ep in ctx.endpoints.get("rest", []):
             log.info("kvtierd rest %s", ep)
-        for name, ep in zip(("events", "replay"), events):
+        for name, ep in self._events.named_endpoints:
             log.info("kvtierd %s %s", name, ep)
         for tenant in self._tenants:
             for name, ep in zip(("events", "replay"), ctx.endpoints.get(f"events:{tenant}", [])):

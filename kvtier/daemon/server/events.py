@@ -154,6 +154,13 @@ class EventHub:
         return out + ([self._packed.endpoint] if self._packed is not None else [])
 
     @property
+    def named_endpoints(self) -> list[tuple[str, str]]:
+        """:attr:`endpoints` with what each is: ``events``, ``replay`` or ``packed``."""
+        z = self._zmq
+        out = [] if z is None else [("events", z.endpoint)] + ([("replay", z.replay_endpoint)] if z.replay_endpoint else [])
+        return out + ([("packed", self._packed.endpoint)] if self._packed is not None else [])
+
+    @property
     def packed_endpoint(self) -> str | None:
         """The packed PUB endpoint as bound (after :meth:`start`); None: none."""
         return self._packed.endpoint if self._packed is not None else None

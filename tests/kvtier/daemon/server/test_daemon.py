@@ -85,6 +85,10 @@ class Kvtierd:
     def endpoint(self, kind: str) -> str:
         return self.wait_for(rf"kvtierd (?:listening|rest|events) ({kind}\S+)").group(1)
 
+    def named(self, name: str) -> str:
+        """The endpoint the daemon logged as ``name`` (``events``, ``replay``, ``packed``)."""
+        return self.wait_for(rf"kvtierd {name} (\S+)").group(1)
+
     def segments(self) -> list[str]:
         return glob.glob(f"/dev/shm/{self.prefix}-*")
 
@@ -231,6 +235,48 @@ def test_serves_stops_cleanly_and_restart_keeps_the_disk_tier(tmp_path: Path, da
     assert client.get(list(blocks)) == list(blocks.values())
     client.close()
     assert again.stop(signal.SIGINT) == 0 and again.segments() == []
+
+
+def test_the_packed_event_endpoint_carries_the_same_batches_with_packed_token_ids(
+        tmp_path: Path, daemons: list[Kvtierd]) -> None:
+    import zmq
+
+    from kvtier_protocol.events import BlockStored, decode_batch
+
+    d = Kvtierd(tmp_path, "--listen", "127.0.0.1:0", "--events", "tcp://127.0.0.1:0",
+                env={"KVTIER_EVENTS__PACKED_ENDPOINT": "tcp://127.0.0.1:0"})
+    daemons.append(d)
+    d.wait_for("kvtierd ready in")
+    ctx = zmq.Context()
+    subs = [ctx.socket(zmq.SUB) for _ in range(2)]
+    try:
+        for sub, name in zip(subs, ("events", "packed")):
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(d.named(name))
+        client = FrameClient(d.endpoint("tcp:"), token_of(d))
+        by_seq: list[dict[bytes, bytes]] = [{}, {}]  # per endpoint: seq -> batch
+        deadline, i = time.monotonic() + PATIENCE_S, 0
+        # A SUB joins asynchronously: save until both endpoints delivered one batch of the same seq
+        while not set(by_seq[0]) & set(by_seq[1]) and time.monotonic() < deadline:
+            assert client.put(dict([record(100 + i)])) == ["stored"]
+            i += 1
+            for sub, seen in zip(subs, by_seq):
+                while sub.poll(20):
+                    topic, seq, batch = sub.recv_multipart()
+                    seen[seq] = batch
+        client.close()
+        common = sorted(set(by_seq[0]) & set(by_seq[1]))
+        assert common, "both endpoints carried the same batches"
+        for seq in common:
+            plain, packed = decode_batch(by_seq[0][seq]), decode_batch(by_seq[1][seq], packed=True)
+            assert [type(e) for e in plain.events] == [type(e) for e in packed.events]
+            assert [getattr(e, "block_hashes", None) for e in plain.events] == \
+                [getattr(e, "block_hashes", None) for e in packed.events]
+            assert any(isinstance(e, BlockStored) for e in packed.events)
+    finally:
+        for sub in subs:
+            sub.close(0)
+        ctx.term()
 
 
 def test_a_restart_after_sigkill_removes_the_dead_daemons_segments(tmp_path: Path, daemons: list[Kvtierd]) -> None:

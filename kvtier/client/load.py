@@ -4,7 +4,7 @@
     load, unix socket:       acquire ── copy records out, verify* ── release   (acquire_flow)
     load, TCP:               get ── verify                                      (fetch_flow)
     load_into, unix socket:  acquire ── copy payloads into the buffers, hashing as they land ── release
-    load_into, TCP:          get ── copy payloads into the buffers, hashing as they land
+    load_into, TCP:          get ── payloads received into the buffers, hashed as they land
 
     * payloads the daemon reports it checked are not hashed again (``ClientOptions.verify``)
 
@@ -53,7 +53,7 @@ from kvtier_protocol.header import BlockHeader, copy_checksummed, decode_header,
 
 from kvtier.client.records import check_hashes, check_ns_id, verified_record
 from kvtier.client.session import Session
-from kvtier.client.steps import Await, Call, Flow, FlowFactory, Ticket, expect_len
+from kvtier.client.steps import Await, Call, Flow, FlowFactory, Landing, Ticket, expect_len
 
 log = logging.getLogger("kvtier.client")
 
@@ -117,14 +117,15 @@ def load_flow(s: Session, ns_id: bytes, hashes: list[bytes], accept_lossy: bool 
 
 
 def fetch_flow(s: Session, ns_id: bytes, hashes: list[bytes], take: TakeRecord[T],
-               accept_lossy: bool | None = None) -> Flow[list[T]]:
+               accept_lossy: bool | None = None, landing: Landing | None = None) -> Flow[list[T]]:
     """get (records inline) → ``take(i, key, record)`` per returned record (None: corrupt, the
-    prefix ends there). TCP."""
+    prefix ends there). TCP. ``landing``: the payloads may be received into its buffers."""
     out: list[T] = []
     pos = 0
     while pos < len(hashes):
         chunk = hashes[pos:pos + s.limits.max_batch]
-        r = yield Call("get", {"ns_id": ns_id, "hashes": chunk, **lossy_keys(accept_lossy)})
+        into = None if landing is None else Landing(landing.dests, landing.digests, pos)
+        r = yield Call("get", {"ns_id": ns_id, "hashes": chunk, **lossy_keys(accept_lossy)}, into=into)
         expect_len("get", r.lens, len(chunk))
         found, corrupt = 0, False
         for i, (key, record) in enumerate(zip(chunk, r.records()), pos):
@@ -297,6 +298,10 @@ def load_into_flow(s: Session, ns_id: bytes, hashes: list[bytes],
     """Copy the payloads of the stored prefix of ``hashes`` into ``dests`` (one per key);
     returns the headers of the blocks copied and verified, first first."""
     if s.shm is None:
+        # The transport may receive a payload straight into its buffer (its digest then set):
+        # that record's payload bytes in the response are unfilled, only its header is read.
+        landing = Landing(dests, [None] * len(dests))
+
         def take_record(i: int, key: bytes, record: memoryview) -> BlockHeader | None:
             try:
                 h, payload = split_record(record)
@@ -306,8 +311,9 @@ def load_into_flow(s: Session, ns_id: bytes, hashes: list[bytes],
             if h.ns_id != ns_id or h.chain_hash != key:
                 log.warning("daemon returned a record of another key for %s; treated as a miss", key.hex())
                 return None
-            return _checked(h, copy_hashed(payload, _dest(dests, i, h)))
-        return (yield from fetch_flow(s, ns_id, hashes, take_record, accept_lossy))
+            landed = landing.digests[i]
+            return _checked(h, landed if landed is not None else copy_hashed(payload, _dest(dests, i, h)))
+        return (yield from fetch_flow(s, ns_id, hashes, take_record, accept_lossy, landing))
     shm = s.shm
     slots: list[SlotRef] = []  # checked blocks of the current sub-batch, copied by settle()
     into: list[memoryview] = []

@@ -72,6 +72,8 @@ class Call:
         behind: (with ``wait=False``) the flow never claims the answer: the connection keeps it
             and claims it before the next request that reads (:data:`BLIND_OPS`), or on
             ``flush``/``close``. Write-behind commits only.
+        into: (get only) the caller's buffers a transport may receive the records' payloads
+            straight into (``load_into`` over TCP; :class:`Landing`).
     """
 
     op: str
@@ -82,6 +84,26 @@ class Call:
     wait: bool = True
     defer: bool = False
     behind: bool = False
+    into: Landing | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Landing:
+    """Where the payloads of a get's records may land (``load_into`` over TCP): a transport that
+    can (kvtier.client.transport) receives the payload of the get's ``j``-th key straight into
+    ``dests[first + j]``, hashing it as it lands, and sets ``digests[first + j]`` to the xxh3-64
+    of the bytes it wrote there; that record's payload bytes in the response are then left
+    unfilled. Where it is None, the payload is in the response as usual.
+
+    Attributes:
+        dests: per key of the whole load, the caller's buffer.
+        digests: per key of the whole load, set by the transport (shared by the load's gets).
+        first: the index in ``dests`` of the get's first key.
+    """
+
+    dests: Sequence[memoryview]
+    digests: list[int | None]
+    first: int = 0
 
 
 @dataclass(frozen=True, slots=True)

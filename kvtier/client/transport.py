@@ -8,7 +8,12 @@ kept until claimed, and those of forgotten requests are dropped (a lease they gr
 
 No event loop: frames are written with ``sendmsg`` (header and payload buffers gathered, not
 joined) and read with ``recv_into`` into buffers sized from the preamble, after its lengths were
-checked against the limits. Every wait is bounded by the call's deadline. The hello response on
+checked against the limits. The payloads of a get sent with landing buffers (``load_into``,
+:class:`~kvtier.client.steps.Landing`) are received straight into the caller's buffers instead,
+hashed chunk by chunk as they land (still in cache), so the load copies nothing after the kernel::
+
+    socket ──recv_into──► record header (payload buffer) ──► decode: payload length, fits?
+           └─recv_into──► caller's buffer, 256 KiB at a time ──► xxh3 update ──► Landing.digests Every wait is bounded by the call's deadline. The hello response on
 a unix socket is read with ``recvmsg`` (``socket.recv_fds``) so that the segment descriptors
 attached to it arrive with its first bytes (SPEC.md §7.4).
 """
@@ -23,16 +28,19 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any, NoReturn
 
+import xxhash
+
 from kvtier_protocol.errors import FrameError, KVTierError
 from kvtier_protocol.frames import (DEFAULT_LIMITS, PREAMBLE_LEN, Buffer, Frame, Limits,
                                     decode_header, encode_frame, parse_preamble, parse_response,
                                     raise_for_error)
 
 from kvtier_protocol.buffers import POOLED_PAYLOAD_BYTES, PayloadBuffers
+from kvtier_protocol.header import PREAMBLE as RECORD_PREAMBLE, decode_header as decode_record_header
 from kvtier_protocol.address import Address
 from kvtier.client.errors import ConnectionLost, TimedOut, Unreachable
 from kvtier.client.behind import LateErrors
-from kvtier.client.steps import IO, JUMP_OPS, LEASE_OPS, Call, Receive, Send
+from kvtier.client.steps import IO, JUMP_OPS, LEASE_OPS, Call, Landing, Receive, Send
 from kvtier.client.options import ClientOptions
 from kvtier.client.retry import remaining_s
 from kvtier.client.session import MAX_FDS, Session, hello_keys, open_session
@@ -41,6 +49,21 @@ _IOV_MAX = 1024  # buffers per sendmsg (Linux UIO_MAXIOV)
 _FIRST_READ = 64 << 10
 _READ_AHEAD = 64 << 10  # bytes asked of each recv of frame headers
 PAYLOAD_KEEP_BYTES = 256 << 20  # most bytes of such buffers a connection keeps between calls
+LAND_CHUNK = 256 << 10  # bytes a landing payload is received (and hashed) at a time: still in cache
+
+
+def _landable(lens: Any, landing: Landing, n: int) -> bool:
+    """Whether a get response's ``lens`` (not yet checked by the schema) describes its payload of
+    ``n`` bytes record by record, each with a landing buffer."""
+    if type(lens) is not list or len(lens) > len(landing.dests) - landing.first:
+        return False
+    total = 0
+    for length in lens:
+        if length is not None:
+            if type(length) is not int or length < 0:
+                return False
+            total += length
+    return total == n
 
 
 def connect_socket(address: Address, timeout: float) -> socket.socket:
@@ -82,6 +105,7 @@ class BlockingConnection:
         self._forgotten: set[int] = set()  # ids whose answers are dropped when they arrive
         self._outbox: list[Buffer] = []  # frames of deferred requests, written with the next write
         self._held: set[int] = set()  # ids of the requests in _outbox
+        self._landings: dict[int, Landing] = {}  # id -> where the payloads of that get may land
         self._kept: list[int] = []  # write-behind commits whose answers are claimed later, oldest first
         self.late = LateErrors()  # what became of refused or lost write-behind commits
         self._buffers = PayloadBuffers(PAYLOAD_KEEP_BYTES)  # for large payloads (kvtier_protocol.buffers)
@@ -212,6 +236,8 @@ class BlockingConnection:
         else:
             self._outbox += frame
         self._inflight[ident] = call.op
+        if call.into is not None:
+            self._landings[ident] = call.into
         if call.defer:
             self._held.add(ident)
         else:
@@ -267,6 +293,7 @@ class BlockingConnection:
         frame = self._arrived.pop(ident, None)
         if frame is None:
             self._forgotten.add(ident)
+            self._landings.pop(ident, None)  # the flow that gave those buffers is done with them
             return
         try:
             self._drop(ident, frame, deadline)
@@ -317,6 +344,7 @@ class BlockingConnection:
 
     def _drop(self, ident: int, frame: Frame, deadline: float) -> None:
         self._forgotten.discard(ident)
+        self._landings.pop(ident, None)
         op = self._inflight.pop(ident)
         lease = frame.header.get("lease")
         if op in LEASE_OPS and frame.header.get("ok") is True and type(lease) is int and lease > 0:
@@ -354,22 +382,86 @@ class BlockingConnection:
         except OSError as exc:
             raise ConnectionLost(f"connection to {self._address} broke: {exc}") from exc
 
-    def _recv_exact(self, n: int, deadline: float, *, at_frame_start: bool = False) -> bytearray | memoryview:
+    def _recv_exact(self, n: int, deadline: float) -> bytearray | memoryview:
         # fresh pages cost as much as the copy: a large payload lands in a reused mapping
         buf = self._buffers.view(n) if n > POOLED_PAYLOAD_BYTES else bytearray(n)
+        with memoryview(buf) as view:
+            self._read_into(view, deadline)
+        return buf
+
+    def _read_into(self, view: memoryview, deadline: float, digest: Any = None) -> None:
+        """Fill ``view`` with the next bytes of the stream: what was read ahead, then straight
+        from the socket. ``digest`` (an xxh3 hasher): updated with each part right after it
+        landed, :data:`LAND_CHUNK` at most at a time."""
+        n = view.nbytes
         got = min(n, len(self._pending))
         if got:
-            buf[:got] = self._pending[:got]
+            view[:got] = self._pending[:got]
             del self._pending[:got]
+            if digest is not None:
+                digest.update(view[:got])
+        if got == n:
+            return
         sock = self._live()
-        with memoryview(buf) as view, self._receive_errors():
+        with self._receive_errors():
             while got < n:
                 sock.settimeout(remaining_s(deadline, "receive"))
-                k = sock.recv_into(view[got:])
+                if digest is None:
+                    k = sock.recv_into(view[got:])
+                else:
+                    k = sock.recv_into(view[got:got + LAND_CHUNK])
+                    digest.update(view[got:got + k])
                 if not k:
-                    self._closed_by_daemon(at_frame_start and not got)
+                    self._closed_by_daemon(False)
                 got += k
+
+    def _recv_landed(self, n: int, lens: Any, landing: Landing, deadline: float) -> bytearray | memoryview:
+        """A get's payload of ``n`` bytes with the payloads of its first records received into
+        their landing buffers (:meth:`_land`), up to the first miss or record that cannot land;
+        the rest (headers, those records, all of it if ``lens`` does not describe the payload)
+        into the frame's own buffer."""
+        # not populated: the pages under landed payloads are never touched
+        buf = self._buffers.view(n, populate=False) if n > POOLED_PAYLOAD_BYTES else bytearray(n)
+        at = 0
+        with memoryview(buf) as view:
+            if _landable(lens, landing, n):
+                for j, length in enumerate(lens):
+                    if length is None:
+                        break  # a miss ends the prefix: the buffers after it stay untouched
+                    index = landing.first + j
+                    digest = self._land(view[at:at + length], landing.dests[index], deadline)
+                    at += length
+                    if digest is None:
+                        break  # so does a record that cannot land (the flow meets it as before)
+                    landing.digests[index] = digest
+            self._read_into(view[at:], deadline)
         return buf
+
+    def _land(self, record: memoryview, dest: memoryview, deadline: float) -> int | None:
+        """Receive one record: its header into ``record``, its payload into ``dest`` if the header
+        decodes, says the record's length and fits ``dest``; returns the xxh3-64 of the bytes
+        landed there. Else the whole record goes into ``record`` and None is returned: the flow
+        then meets it as it always did (a miss, or a buffer too small)."""
+        size, pre = record.nbytes, RECORD_PREAMBLE.size
+        if size < pre:
+            self._read_into(record, deadline)
+            return None
+        self._read_into(record[:pre], deadline)
+        off = pre + RECORD_PREAMBLE.unpack_from(record)[3]  # header_len
+        if off > size:
+            self._read_into(record[pre:], deadline)
+            return None
+        self._read_into(record[pre:off], deadline)
+        try:
+            h, end = decode_record_header(record[:off])
+        except KVTierError:
+            h, end = None, -1
+        if h is None or end != off or off + h.payload_len != size or dest.nbytes < h.payload_len:
+            self._read_into(record[off:], deadline)
+            return None
+        digest = xxhash.xxh3_64()
+        self._read_into(dest[:h.payload_len], deadline, digest)
+        return digest.intdigest()
 
     def _fill(self, n: int, deadline: float, *, at_frame_start: bool = False) -> None:
         """Have at least ``n`` bytes in ``_pending``, reading whatever the socket holds (up to
@@ -408,9 +500,16 @@ class BlockingConnection:
         self._fill(end, deadline)
         header = decode_header(self._pending[PREAMBLE_LEN:end])
         del self._pending[:end]
-        # A payload is read straight into its own buffer (after what was read ahead of it).
-        payload = memoryview(self._recv_exact(payload_len, deadline)).toreadonly() if has_payload else None
-        return Frame(header, payload)
+        landing = self._landings.pop(header["id"], None) if self._landings else None
+        if not has_payload:
+            return Frame(header, None)
+        # A payload is read straight into its own buffer (after what was read ahead of it), or
+        # a get's record payloads straight into the caller's buffers.
+        if landing is not None and header.get("ok") is True:
+            body = self._recv_landed(payload_len, header.get("lens"), landing, deadline)
+        else:
+            body = self._recv_exact(payload_len, deadline)
+        return Frame(header, memoryview(body).toreadonly())
 
     def close(self) -> None:
         """Close the socket and unmap the segments (idempotent)."""
@@ -422,6 +521,7 @@ class BlockingConnection:
         self._forgotten.clear()
         self._outbox.clear()
         self._held.clear()
+        self._landings.clear()
         self._buffers.close()
         if self._kept:
             self.late.lost(ConnectionLost("the connection closed"), len(self._kept))

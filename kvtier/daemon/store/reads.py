@@ -199,6 +199,8 @@ class BlockReader:
             good += 1
         for meta, result in outcome.items():
             await self._settle(meta, result)
+        if mover.remote is not None:  # write-through: blocks back from disk the cluster may lack
+            mover.remote.offer_missing([m for m in from_disk if outcome.get(m) == "ok"])
         return good
 
     async def _settle(self, meta: BlockMeta, result: str) -> None:

@@ -167,7 +167,7 @@ class RemoteLink:
         self._wake = asyncio.Event()
         self._uploader: asyncio.Task[None] | None = None
         self._inflight: dict[BlockKey, asyncio.Future[bytes | bytearray | None]] = {}
-        self._tasks: set[asyncio.Task[None]] = set()  # remote deletes of bad values
+        self._tasks: set[asyncio.Future[None]] = set()  # remote deletes of bad values, offer_missing
         self._limit = self.options.upload_queue_bytes
         self._idle = asyncio.Event()  # set while nothing waits for upload
         self._idle.set()
@@ -376,6 +376,62 @@ class RemoteLink:
         self._mover.index.lease(meta)
         self._push(_Upload(self.key(meta.key), meta.size, meta=meta))
 
+    def offer_missing(self, metas: Sequence[BlockMeta], *, wait_for_room: bool = False) -> None:
+        """Write-through: blocks visible in host again without a commit (promoted from disk,
+        adopted after a crash) are queued for upload where the cluster does not hold them.
+
+        In the background: batches of the committed host blocks not known to be remote are
+        pinned, asked for (EXISTS, under the call timeout) and queued where missing; the ones
+        the cluster holds are marked remote. The queue's byte cap applies: what does not fit is
+        dropped and counted, as for commits; ``wait_for_room`` (a whole recovered host tier)
+        first waits for the queue to drain before each batch, so that a large tier goes up
+        batch by batch behind the commits instead of being dropped. Never waits itself.
+        """
+        if not self.write_through or self._closing:
+            return
+        todo = [m for m in metas if _missing_candidate(m)]
+        if not todo:
+            return
+        task = asyncio.ensure_future(self._offer_missing(todo, wait_for_room))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _offer_missing(self, metas: list[BlockMeta], wait_for_room: bool) -> None:
+        mover = self._mover
+        assert mover is not None, "attach() before offer_missing()"
+        c = self.counters
+        todo = collections.deque(metas)
+        while todo:
+            if wait_for_room:
+                await self._idle.wait()  # the queue drained: room for the next batch
+            if self._closing:
+                return
+            batch: list[BlockMeta] = []
+            while todo and len(batch) < UPLOAD_BATCH_BLOCKS:
+                meta = todo[0]
+                if wait_for_room and batch and c.queue_bytes + meta.size > self._limit:
+                    break  # after this batch is up
+                todo.popleft()
+                if _missing_candidate(meta) and self._admit(meta.size):
+                    batch.append(meta)
+            if not batch:
+                continue
+            for meta in batch:
+                mover.index.lease(meta)  # the host copy stays while the cluster is asked
+            there: list[bool] | None = None  # None: the question failed (cancelled), nothing queued
+            try:
+                there = await self.blocks.exists([self.key(m.key) for m in batch], timeout_s=self.options.timeout_s)
+            finally:
+                for k, meta in enumerate(batch):
+                    has = there is not None and there[k]
+                    if there is None or has or self._closing or not _missing_candidate(meta):
+                        if has and meta.linked:
+                            meta.remote = True  # another host (or an earlier life) uploaded it
+                        mover.unlease(meta)
+                        c.queue_bytes -= meta.size
+                    else:
+                        self._push(_Upload(self.key(meta.key), meta.size, meta=meta))
+
     async def offer_copies(self, metas: Sequence[BlockMeta]) -> None:
         """Write-back: copy the records of host victims about to be freed and queue them
         (verified against their checksums; dropped, counted, when the queue is full)."""
@@ -534,3 +590,8 @@ def _retrieved(task: asyncio.Future[Any]) -> None:
     """Mark a dropped task's outcome as seen (a failure of work nobody waits for is not news)."""
     if not task.cancelled():
         task.exception()
+
+
+def _missing_candidate(meta: BlockMeta) -> bool:
+    """A committed block with a host copy, not known to be on the remote tier."""
+    return meta.linked and meta.committed and not meta.remote and meta.host_slot is not None

@@ -6,7 +6,8 @@ upload it all, then fetch it all, at once:
 
 * **kvtier**: :class:`~kvtier.daemon.remote.redis_cluster.RedisClusterBlocks`, what each daemon's
   store uses (keys sorted by slot, pipelines of ``batch_keys``, ``parallel`` of them in flight,
-  one deadline per call), and every fetched record verified as the daemon does
+  one deadline per call, GETs read by :mod:`kvtier.daemon.remote.resp_get` straight into each
+  value's buffer), and every fetched record verified as the daemon does
   (:func:`~kvtier.daemon.remote.verify.verify_record`: header, key, payload xxh3);
 * **baseline**: redis-py's asyncio ``RedisCluster``, one pipeline of plain ``SET`` / ``GET`` per
   client (redis-py splits it per node and sends to the nodes concurrently), nothing verified.

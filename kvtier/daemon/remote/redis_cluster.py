@@ -8,7 +8,9 @@ Keys (no hash tag, so a namespace's blocks spread over every shard)::
 A batch is sorted by hash slot and cut into pipelines of ``batch_keys`` commands (consecutive
 slots mostly share a master, so a pipeline is mostly one round trip to one node); up to
 ``parallel`` pipelines of a call are in flight at once. The whole call runs under one deadline:
-what has not answered by then is a miss, what has answered is kept.
+what has not answered by then is a miss, what has answered is kept. Block GETs are read through
+:mod:`kvtier.daemon.remote.resp_get` (values received straight into their own buffers; redis-py
+for the slot map, redirections and every other command).
 
 Faults never reach the caller: a connection refused, a timeout, a cluster that is down or failing
 over, an ACL refusal is a miss / ``False``, counted by kind in :class:`RemoteCounters`. A circuit

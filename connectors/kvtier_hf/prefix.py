@@ -66,7 +66,7 @@ class HFPrefixCache:
     @classmethod
     def for_model(cls, model: Any, checkpoint: str | os.PathLike[str] | None = None, *, address: str | None = None,
                   block_tokens: int = 16, codec: str = "raw", model_id: str | None = None, tenant_salt: str = "",
-                  timeout_s: float = 2.0, token: str | None = None) -> HFPrefixCache:
+                  timeout_s: float = 2.0, token: str | None = None, accept_lossy: bool | None = None) -> HFPrefixCache:
         """A prefix cache for ``model``, its namespace read from the checkpoint directory.
 
         Args:
@@ -81,6 +81,8 @@ class HFPrefixCache:
             tenant_salt: tenant isolation salt.
             timeout_s: bound on each daemon call.
             token: the daemon's token (TCP).
+            accept_lossy: False: exact copies only (a lossily re-encoded block is a miss); None:
+                the daemon's default.
 
         Raises:
             NamespaceError: no checkpoint directory, or an unreadable one.
@@ -96,7 +98,8 @@ class HFPrefixCache:
                                       codec=codec, tenant_salt=tenant_salt, model=model_id)
         if ns.attention != "mha":
             raise LayoutError(f"{ns.model} uses MLA; kvtier_hf saves per-head K/V caches only")
-        return cls(KVConnectorCore(ns, address=address, timeout_s=timeout_s, token=token), model)
+        return cls(KVConnectorCore(ns, address=address, timeout_s=timeout_s, token=token, accept_lossy=accept_lossy),
+                   model)
 
     def save(self, token_ids: Sequence[int], cache: Any) -> int:
         """Store the full blocks of ``token_ids`` held by ``cache`` (batch 1); returns blocks newly

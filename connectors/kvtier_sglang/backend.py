@@ -94,7 +94,8 @@ class PageBackend:
             return 0
         ns = self._ns()
         try:
-            hits = self._reader.lookup(ns.ns_id, _hashes(keys), degrade=False).num_hits
+            hits = self._reader.lookup(ns.ns_id, _hashes(keys), degrade=False,
+                                       accept_lossy=self.settings.accept_lossy).num_hits
         except KVTierError as exc:
             self._outage.failed("lookup", exc)
             return 0
@@ -223,7 +224,7 @@ class PageBackend:
         for lo in range(0, len(hashes), self._batch()):
             chunk = hashes[lo:lo + self._batch()]
             try:
-                records = self._reader.load(ns.ns_id, chunk, degrade=False)
+                records = self._reader.load(ns.ns_id, chunk, degrade=False, accept_lossy=self.settings.accept_lossy)
             except KVTierError as exc:
                 self._outage.failed("load", exc)
                 return done

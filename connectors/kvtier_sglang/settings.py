@@ -15,6 +15,8 @@ these are ours::
     model_path   a local checkpoint directory to digest for the revision
     tenant_salt  tenant isolation salt (default "": none)
     priority     eviction priority of stored pages, -128..127 (default 0)
+    accept_lossy false: exact copies only (a page a lossy tier re-encoded, e.g. int8 on disk, is
+                 a miss); default: the daemon's (store.accept_lossy)
 
 The namespace names the KV of this rank's shard: MHA carries ``tp_rank``/``tp_size`` (each rank
 holds its own heads), MLA is replicated over TP ranks so every rank reads ``tp 0/1`` and only the
@@ -50,6 +52,7 @@ class BackendSettings:
     model_path: str | None = None
     tenant_salt: str = ""
     priority: int = 0
+    accept_lossy: bool | None = None
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> BackendSettings:
@@ -69,6 +72,8 @@ class BackendSettings:
                 v = float(v) if ok else v
             elif f.name == "priority":
                 ok = type(v) is int and -128 <= v <= 127
+            elif f.name == "accept_lossy":
+                ok = type(v) is bool
             else:
                 ok = isinstance(v, str)
             if not ok:

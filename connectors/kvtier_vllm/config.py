@@ -28,7 +28,7 @@ HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 _TYPES: dict[str, tuple[type, ...]] = {
     "address": (str,), "token": (str,), "token_file": (str,), "timeout_s": (int, float), "codec": (str,),
     "load_mode": (str,), "save_decode": (bool,), "priority": (int,), "model": (str,), "revision": (str,),
-    "tenant_salt": (str,), "kv_events": (bool,), "layerwise": (bool,),
+    "tenant_salt": (str,), "kv_events": (bool,), "layerwise": (bool,), "accept_lossy": (bool,),
 }
 
 
@@ -56,6 +56,8 @@ class KVTierConfig:
             are placed one layer at a time (``wait_for_layer_load`` waits for its layer only) and
             saves copy each layer out in ``save_kv_layer``; False: whole blocks before and after
             the forward (CUDA graphs then need no piecewise split).
+        accept_lossy: False: only exact copies are hits (a block a lossy tier re-encoded, e.g. int8
+            on disk, is recomputed); None: the daemon's default (``store.accept_lossy``).
     """
 
     address: str | None = None
@@ -71,6 +73,7 @@ class KVTierConfig:
     tenant_salt: str = ""
     kv_events: bool = False
     layerwise: bool = True
+    accept_lossy: bool | None = None
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> KVTierConfig:

@@ -76,7 +76,8 @@ class SchedulerSide:
         layout = "mla-latent" if geometry.mla else "vllm-nhc"
         # One namespace per TP rank: a hit needs every rank's shard of the block.
         self.cores = [KVConnectorCore(namespace_for(vllm_config, geometry, config, tp_rank=r), client=self.client,
-                                      page_layout=layout, timeout_s=config.timeout_s) for r in range(ranks)]
+                                      page_layout=layout, timeout_s=config.timeout_s, accept_lossy=config.accept_lossy)
+                      for r in range(ranks)]
         self._requests: dict[str, Any] = {}
         self._matched: dict[str, int] = {}  # req id -> first block of its last positive lookup
         self._loads: list[LoadSpec] = []

@@ -79,7 +79,8 @@ class WorkerSide:
         paged = paged_caches(kv_caches, self.geometry)
         if self.core is None:
             self.core = KVConnectorCore(self.ns, address=self.config.daemon_address(), page_layout=paged.page_layout,
-                                        timeout_s=self.config.timeout_s, token=self.config.daemon_token())
+                                        timeout_s=self.config.timeout_s, token=self.config.daemon_token(),
+                                        accept_lossy=self.config.accept_lossy)
         self.core.bind_kv_caches(paged.caches)
         log.info("kvtier: %d layers of %s pages bound (namespace %s, rank %d)", len(paged.caches),
                  paged.page_layout, self.ns.ns_id.hex(), self.tp_rank)

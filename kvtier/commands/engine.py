@@ -42,6 +42,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                             "answers there, else none")
     where.add_argument("--no-kvtier", action="store_true", help="run without kvtier")
     run.add_argument("--codec", choices=CODECS, default="raw", help="how blocks are stored (raw)")
+    run.add_argument("--exact", action="store_true",
+                     help="load exact copies only: a block a lossy tier re-encoded (e.g. int8 on disk) is "
+                          "recomputed (default: the daemon's store.accept_lossy)")
     run.add_argument("--device", default="cpu", help="torch device (cpu)")
     run.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and KV dtype (float32)")
     run.add_argument("--block-tokens", type=int, default=16, help="tokens per KV page and kvtier block (16)")
@@ -154,7 +157,8 @@ def _engine(args: argparse.Namespace) -> Any:
     from kvtier.engine import Engine
 
     return Engine(args.model, device=args.device, dtype=getattr(torch, args.dtype), block_tokens=args.block_tokens,
-                  max_step_tokens=args.max_step_tokens, kvtier_address=kvtier_address(args), codec=args.codec)
+                  max_step_tokens=args.max_step_tokens, kvtier_address=kvtier_address(args), codec=args.codec,
+                  accept_lossy=False if args.exact else None)
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -71,6 +71,9 @@ class KVConnectorCore:
         token: the daemon's token (TCP).
         streams: the streams of layer-wise copies; None: chosen from the bound caches' device
             (:func:`kvtier.connector.streams.streams_for`).
+        accept_lossy: False: exact copies only (a block the daemon holds lossily, e.g. re-encoded
+            int8 by a lossy disk tier, is a miss, and the engine recomputes it); None: the
+            daemon's default (``store.accept_lossy``, true unless configured).
 
     Raises:
         LayoutError: the page layout does not fit the namespace.
@@ -79,7 +82,7 @@ class KVConnectorCore:
 
     def __init__(self, ns: Namespace, *, address: str | None = None, client: Client | None = None,
                  codec: str | None = None, page_layout: str = "vllm-flash", timeout_s: float = 2.0,
-                 token: str | None = None, streams: Streams | None = None) -> None:
+                 token: str | None = None, streams: Streams | None = None, accept_lossy: bool | None = None) -> None:
         if codec is not None and codec != ns.kv_codec:
             ns = dataclasses.replace(ns, kv_codec=codec)
         self.ns = ns
@@ -98,8 +101,9 @@ class KVConnectorCore:
         else:
             self._job_client = client
         self.client = client
-        self._transfer = Transfer(ns, client, self.stats)
-        self._job_transfer = Transfer(ns, self._job_client, self.stats)
+        self.accept_lossy = accept_lossy
+        self._transfer = Transfer(ns, client, self.stats, accept_lossy)
+        self._job_transfer = Transfer(ns, self._job_client, self.stats, accept_lossy)
         self._caches: list[torch.Tensor] | None = None
         self._views: list[np.ndarray] | None = None  # byte views of CPU caches, for raw records
         self._num_pages = 0

@@ -44,12 +44,16 @@ class Transfer:
         ns: the namespace (its codec encodes saved blocks).
         client: the daemon client; its ``timeout_s`` bounds every call.
         stats: counters to add to.
+        accept_lossy: False: lookups and loads count and read exact copies only (a block the daemon
+            holds re-encoded lossily, e.g. int8 on a lossy disk tier, is a miss); None: the daemon's
+            default (``store.accept_lossy``).
     """
 
-    def __init__(self, ns: Namespace, client: Client, stats: ConnectorStats) -> None:
+    def __init__(self, ns: Namespace, client: Client, stats: ConnectorStats, accept_lossy: bool | None = None) -> None:
         self.ns = ns
         self.client = client
         self.stats = stats
+        self.accept_lossy = accept_lossy
         self.batch_blocks = max(1, MAX_BATCH_BYTES // ns.block_payload_bytes())
         self._ns_fields = ns.to_wire()
         self._outage = OutageLog(log, "recomputing", prefix="kvtier connector")
@@ -59,7 +63,7 @@ class Transfer:
         if not hashes:
             return 0
         try:
-            hits = self.client.lookup(self.ns.ns_id, hashes, degrade=False).num_hits
+            hits = self.client.lookup(self.ns.ns_id, hashes, degrade=False, accept_lossy=self.accept_lossy).num_hits
         except KVTierError as exc:
             self._failed("lookup", exc)
             return 0
@@ -136,7 +140,7 @@ class Transfer:
             hi = min(len(hashes), lo + self.batch_blocks)
             try:
                 headers = self.client.load_into(self.ns.ns_id, hashes[lo:hi], [rows[i].numpy() for i in range(lo, hi)],
-                                                degrade=False)
+                                                degrade=False, accept_lossy=self.accept_lossy)
             except InvalidRequest:  # a block larger than a row: not of this geometry, decode from here
                 foreign = True
                 break
@@ -222,7 +226,7 @@ class Transfer:
 
     def _records(self, hashes: list[bytes]) -> tuple[list[bytes], str | None]:
         try:
-            records = self.client.load(self.ns.ns_id, hashes, degrade=False)
+            records = self.client.load(self.ns.ns_id, hashes, degrade=False, accept_lossy=self.accept_lossy)
         except KVTierError as exc:
             return [], self._failed("load", exc)
         self._outage.ok()

@@ -122,13 +122,15 @@ class Engine:
         timeout_s: bound on each daemon call; past it the engine recomputes.
         layerwise: load and save kvtier blocks layer by layer, overlapped with the forward (see
             the module docstring); False: load whole blocks before the forward and save after it.
+        accept_lossy: without ``connector``: False takes exact copies only (a block a lossy tier
+            re-encoded is recomputed); None: the daemon's default.
     """
 
     def __init__(self, model_dir: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  block_tokens: int = 16, num_pages: int | None = None, max_step_tokens: int = 4096,
                  max_num_seqs: int = 256, connector: KVConnectorCore | None = None,
                  kvtier_address: str | None = None, codec: str = "raw", timeout_s: float = 2.0,
-                 layerwise: bool = True) -> None:
+                 layerwise: bool = True, accept_lossy: bool | None = None) -> None:
         self.device = torch.device(device)
         self.block_tokens = block_tokens
         self.model = load_model(model_dir, device=self.device, dtype=dtype)
@@ -142,7 +144,7 @@ class Engine:
             # hash_tokens by the rule every engine follows (hash_tokens_for), so HF and vLLM find these blocks.
             ns = namespace_for_checkpoint(model_dir, kv_dtype=dtype, block_tokens=block_tokens, codec=codec)
             connector = KVConnectorCore(ns, address=kvtier_address, codec=codec, timeout_s=timeout_s,
-                                        page_layout=self.model.kv_block_layout)
+                                        page_layout=self.model.kv_block_layout, accept_lossy=accept_lossy)
         if connector is not None:
             if connector.ns.block_tokens != block_tokens:
                 raise ValueError(f"the connector's blocks have {connector.ns.block_tokens} tokens, "

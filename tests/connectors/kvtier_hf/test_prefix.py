@@ -55,6 +55,8 @@ def test_prefill_reuses_a_stored_prefix_with_recompute_logits(model, kvtier_daem
         out = first.prefill(ids, logits_to_keep=1)
         assert (out.reused_tokens, out.saved_blocks) == (0, 4)  # 64 of 75 tokens are full blocks
         assert out.cache.get_seq_length() == 75
+    with HFPrefixCache.for_model(model, address=addr, block_tokens=BT, model_id=name, accept_lossy=False) as exact:
+        assert exact.core.accept_lossy is False and exact.load(ids)[1] == 64  # raw copies are exact copies
     with HFPrefixCache.for_model(model, address=addr, block_tokens=BT, model_id=name) as second:
         cache, n = second.load(ids)
         assert n == 64 and cache.get_seq_length() == 64

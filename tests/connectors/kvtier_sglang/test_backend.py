@@ -257,6 +257,11 @@ def test_configuration_errors(kvtier_daemon_module, model, tmp_path: Path) -> No
     digested.close()
     with pytest.raises(InvalidRequest):
         PageBackend(StorageConfig(extra_config={"revision": "r", "timeout_s": "soon"}), {})
+    with pytest.raises(InvalidRequest, match="accept_lossy"):
+        PageBackend(StorageConfig(extra_config={"revision": "r", "accept_lossy": "false"}), {})
+    exact = PageBackend(StorageConfig(extra_config={"revision": "r", "address": addr, "accept_lossy": False}), {})
+    assert exact.settings.accept_lossy is False
+    exact.close()
     backend = PageBackend(StorageConfig(extra_config={"revision": "r", "address": addr, "model": model}), {})
     try:
         with pytest.raises(InvalidRequest, match="register_mem_pool_host"):

@@ -205,6 +205,14 @@ def test_bad_settings_and_layouts_are_refused(daemon):
         MiniEngine(daemon.address, "v033-lbnhc", adress="typo")
     with pytest.raises(InvalidRequest, match="load_mode"):
         MiniEngine(daemon.address, "v033-lbnhc", load_mode="later")
+    with pytest.raises(InvalidRequest, match="accept_lossy"):
+        MiniEngine(daemon.address, "v033-lbnhc", accept_lossy="no")
+    exact = MiniEngine(daemon.address, "v033-lbnhc", accept_lossy=False)
+    try:
+        # the scheduler's lookups and the worker's loads ask for exact copies
+        assert exact.sched.scheduler.cores[0].accept_lossy is False and exact.worker.worker.core.accept_lossy is False
+    finally:
+        exact.close()
     eng = MiniEngine(daemon.address, "v033-lbnhc")
     try:
         wrong = make_caches("legacy-flash")

@@ -81,6 +81,8 @@ def test_generate_reuses_a_prefix_stored_by_an_earlier_run(model_dir: Path, tmp_
     assert runs[0]["saved_blocks"] == n // 16
     assert runs[1]["loaded_tokens"] == runs[1]["prefix_hit_tokens"] == (n - 1) // 16 * 16
     assert runs[1]["token_ids"] == runs[0]["token_ids"] and isinstance(runs[1]["text"], str)
+    assert kvtier(*argv, "--exact") == 0  # exact copies only: this daemon's raw blocks all are
+    assert json.loads(capsys.readouterr().out)["loaded_tokens"] == runs[1]["loaded_tokens"]
 
 
 def test_bench_reports_each_figure(model_dir: Path, kvtier_daemon, capsys) -> None:

@@ -196,6 +196,35 @@ def test_lz4_compressed_raw_blocks_load_exactly(kvtier_daemon_module: KvtierDaem
     assert reader.fetch_into(hashes, out) == 3 and all(torch.equal(out[i], canonical[i]) for i in range(3))
 
 
+def test_an_exact_only_core_misses_what_a_lossy_disk_tier_reencoded(tmp_path, cores: list) -> None:
+    # A daemon whose disk tier keeps int8 (issue 25): blocks the 4 MiB host tier evicts come back
+    # int8. The default core takes them (within int8's error); accept_lossy=False recomputes them.
+    config = tmp_path / "kvtier.toml"
+    config.write_text('[store]\ndisk_codec = "int8"\n')
+    daemon = KvtierDaemon(tmp_path, host_bytes="4MiB", extra_args=("--config", str(config)))
+    daemon.start()
+    try:
+        ns = make_ns("mha", kv_dtype="bfloat16", layers=8, block_tokens=64)  # 32 KiB blocks
+        writer = connect(cores, daemon, ns, "vllm-flash")
+        exact = connect(cores, daemon, ns, "vllm-flash", accept_lossy=False)
+        hashes = writer.block_hashes(tokens(200 * ns.block_tokens, seed=61))
+        g = torch.Generator().manual_seed(62)
+        blocks = [torch.randn(ns.num_layers, 2, ns.num_kv_heads, ns.block_tokens, ns.head_dim,
+                              generator=g).to(torch.bfloat16) for _ in hashes]
+        for lo in range(0, len(hashes), 20):  # saves of 20: the first blocks are demoted, re-encoded
+            assert writer.store(hashes[lo:lo + 20], blocks[lo:lo + 20], layout="canonical",
+                                parent=hashes[lo - 1] if lo else None) == 20
+        assert writer.lookup(hashes) == 200
+        assert exact.lookup(hashes) == 0, "block 0 is int8 on disk"
+        assert exact.fetch(hashes[:1]) == []
+        (lossy,) = writer.fetch(hashes[:1])
+        assert not torch.equal(lossy, blocks[0])
+        assert (lossy.float() - blocks[0].float()).abs().max() <= blocks[0].float().abs().max() / 100
+        assert all(torch.equal(a, b) for a, b in zip(exact.fetch(hashes[-2:]), blocks[-2:])), "host copies: exact"
+    finally:
+        daemon.cleanup()
+
+
 @pytest.mark.parametrize(("attention", "layout", "dtype", "codec"), [("mha", "vllm-flash", "bfloat16", "int8"),
                                                                     ("mha", "vllm-nhc", "float32", "int8"),
                                                                     ("mla", "mla-latent", "bfloat16", "int8"),

@@ -429,7 +429,7 @@ class RedisClusterBlocks(RemoteBlocks):
             for i, command in enumerate(commands):
                 try:
                     node = client.nodes_manager.get_node_from_slot(key_slot(command[1]))
-                except (rx.RedisError, KeyError, IndexError):
+                except (rx.RedisError, rx.RedisClusterException, KeyError, IndexError):  # no node for the slot
                     slow.append(i)
                     continue
                 nodes.setdefault((node.host, node.port), []).append(i)

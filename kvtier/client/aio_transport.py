@@ -36,7 +36,7 @@ from kvtier.client.errors import ConnectionLost, TimedOut, Unreachable
 from kvtier.client.behind import LateErrors
 from kvtier.client.steps import IO, LEASE_OPS, Call, Receive, Send
 from kvtier.client.options import ClientOptions
-from kvtier.client.session import MAX_FDS, Session, hello_keys, open_session
+from kvtier.client.session import MAX_FDS, Session, hangup_probe, hello_keys, open_session
 from kvtier_protocol.frame_stream import FrameStream, read_frame, writes_gathered
 
 _FIRST_READ = 64 << 10
@@ -169,6 +169,9 @@ class AsyncConnection:
                         raise ConnectionLost(f"daemon at {address} closed the connection during hello")
                     response = parse_response("hello", frame, limits=DEFAULT_LIMITS)
                 session = open_session(response, fds, options)  # type: ignore[arg-type]
+                if session.grants is not None:  # slots held across calls: check the daemon before copying
+                    transport = writer.transport
+                    session.peer_gone = hangup_probe(transport.get_extra_info("socket").fileno(), transport.is_closing)
         except BaseException as exc:
             if writer is not None:
                 writer.transport.abort()

@@ -66,6 +66,7 @@ from kvtier_protocol.frames import EXISTS
 from kvtier_protocol.messages import check_token_info
 from kvtier_protocol.wire_checks import PRIORITY_MAX, PRIORITY_MIN
 
+from kvtier.client.errors import ConnectionLost
 from kvtier.client.grants import Granted, GrantPool
 from kvtier.client.records import Block, Record, check_ns_id, prepare_records
 from kvtier.client.session import MIN_INFLIGHT, Session
@@ -250,6 +251,10 @@ def _copy_into(s: Session, records: list[Record], taken: list[Granted]) -> Flow[
     ``taken`` are released (their slots may hold partial copies) and the error raised."""
     shm, pool = s.shm, s.grants
     assert shm is not None and pool is not None, "granted slots need the mapped segments"
+    if s.peer_gone is not None and s.peer_gone():
+        # The slots were granted by a daemon that is gone; its successor may own them now.
+        pool.drop({g.lease for g in taken})
+        raise ConnectionLost("the daemon hung up; its granted slots are not written")
     try:
         shm.write_many([g.slot for g in taken], [rec.payload for rec in records])
     except KVTierError:

@@ -7,7 +7,8 @@ descriptors move, not in what the hello request says or how its answer is checke
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+import select
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,8 @@ class Session:
         write_behind: saves do not wait for their commits' answers (``ClientOptions``).
         grants: the slots granted to this connection ahead of saves (kvtier.client.grants), or
             None (TCP, or ``ClientOptions.grant_bytes`` 0).
+        peer_gone: whether the daemon has hung up this connection (set by the driver, see
+            :func:`hangup_probe`); None: unknown.
     """
 
     server: str
@@ -51,6 +54,7 @@ class Session:
     pipeline_bytes: int = 0
     write_behind: bool = False
     grants: GrantPool | None = None
+    peer_gone: Callable[[], bool] | None = None
 
     @property
     def piped(self) -> bool:
@@ -62,6 +66,21 @@ class Session:
         """Unmap the segments (idempotent)."""
         if self.shm is not None:
             self.shm.close()
+
+
+def hangup_probe(fd: int, closed: Callable[[], bool]) -> Callable[[], bool]:
+    """A check, without reading, of whether the peer of the connected socket ``fd`` has hung up
+    (EOF or reset; POLLRDHUP, POLLHUP and POLLERR), or ``closed()`` says this side closed it.
+
+    Why it exists: granted slots are copied into before any request of the save is sent. A daemon
+    killed and restarted meanwhile adopts the same shared-memory segments (host-tier recovery)
+    and may have given those slots to other blocks, which a late copy would overwrite under a
+    checksum they already passed. A daemon alive when this runs cannot have been replaced during
+    the microseconds of a copy: a restart takes a new process seconds.
+    """
+    poller = select.poll()
+    poller.register(fd, select.POLLRDHUP)  # POLLHUP and POLLERR are always reported
+    return lambda: closed() or bool(poller.poll(0))
 
 
 def hello_keys(options: ClientOptions) -> dict[str, Any]:

@@ -43,7 +43,7 @@ from kvtier.client.behind import LateErrors
 from kvtier.client.steps import IO, JUMP_OPS, LEASE_OPS, Call, Landing, Receive, Send
 from kvtier.client.options import ClientOptions
 from kvtier.client.retry import remaining_s
-from kvtier.client.session import MAX_FDS, Session, hello_keys, open_session
+from kvtier.client.session import MAX_FDS, Session, hangup_probe, hello_keys, open_session
 
 _IOV_MAX = 1024  # buffers per sendmsg (Linux UIO_MAXIOV)
 _FIRST_READ = 64 << 10
@@ -160,6 +160,8 @@ class BlockingConnection:
                 os.close(fd)
             raise
         self.session = open_session(response, fds, options)  # type: ignore[arg-type]
+        if self.session.grants is not None:  # slots held across calls: check the daemon before copying
+            self.session.peer_gone = hangup_probe(self._live().fileno(), lambda: self._sock is None)
 
     def _recv_with_fds(self, deadline: float) -> list[int]:
         sock = self._live()

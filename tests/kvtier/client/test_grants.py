@@ -10,6 +10,7 @@ from kvtier.client import AsyncClient, Client
 from kvtier.client.grants import HOST_FRACTION, LEASE_MARGIN, GrantPool, pool_limit
 from tests.kvtier.client.clientkit import NS_ID, make_blocks
 from tests.kvtier.client.peer import Peer
+from tests.kvtier.waitkit import wait_until, wait_until_async
 
 KIB = 1024
 
@@ -105,3 +106,44 @@ def test_saves_through_granted_slots_and_without_them(make_peer, speaks: bool, d
         assert peer.ops["reserve"] == 1 and peer.ops["place"] == 3 and peer.ops["grant"] == 4
     else:  # the first refusal turns the pool off: every save reserves, one grant was tried
         assert peer.ops["reserve"] == 4 and peer.ops["grant"] == 1 and peer.ops["place"] == 0
+
+
+@pytest.mark.parametrize("driver", ["sync", "aio"])
+def test_slots_granted_by_a_daemon_that_hung_up_are_never_written(make_peer, driver: str) -> None:
+    # A daemon killed and restarted adopts the same segments and may give the slots it granted
+    # to other blocks: a client holding such slots must not copy into them (it reconnects and
+    # saves through slots of the new connection instead).
+    peer: Peer = make_peer()
+    first, second = make_blocks(4, 4 * KIB, tag=b"before"), make_blocks(4, 4 * KIB, tag=b"after")
+
+    def pool_slots(conn) -> list:
+        pool = conn.session.grants
+        return [g.slot for shelf in pool._shelves.values() for g in shelf.slots]
+
+    def untouched(held: list, before: list[bytes]) -> bool:
+        return [bytes(peer.mm[off:off + n]) for _, off, n in held] == before
+
+    if driver == "sync":
+        with Client(peer.unix_path) as kv:
+            assert kv.save(NS_ID, first) == ["stored"] * 4  # reserves, and refills the pool
+            conn = kv._conn
+            held = pool_slots(conn)
+            before = [bytes(peer.mm[off:off + n]) for _, off, n in held]
+            peer.drop_connections()
+            wait_until(conn.session.peer_gone, what="the client seeing the hang-up")
+            assert kv.save(NS_ID, second) == ["stored"] * 4
+            assert kv._conn is not conn
+    else:
+        async def run() -> tuple[list, list, list]:
+            async with AsyncClient(peer.unix_path) as akv:
+                assert await akv.save(NS_ID, first) == ["stored"] * 4
+                conn = akv._conn
+                held = pool_slots(conn)
+                before = [bytes(peer.mm[off:off + n]) for _, off, n in held]
+                peer.drop_connections()
+                await wait_until_async(conn.session.peer_gone, what="the client seeing the hang-up")
+                return held, before, await akv.save(NS_ID, second)
+        held, before, saved = asyncio.run(run())
+        assert saved == ["stored"] * 4
+    assert len(held) == 4 and untouched(held, before)
+    assert peer.ops["hello"] == 2 and peer.ops["place"] == 0  # the second save reserved on the new connection

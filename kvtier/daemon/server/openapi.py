@@ -47,6 +47,12 @@ _BLOCK = _obj({
 _HEADER = _obj({
     "ns_id": _NS_HEX, "chain_hash": _HEX, "parent_hash": _nullable(_HEX), "num_tokens": _INT, "layout": _STR,
     "shape": {"type": "array", "items": _INT}, "dtype": _STR, "codec": _STR,
+    "lossy": {"type": "boolean", "description": "the codec is not raw: the stored copy is not exact (SPEC 5)"},
+    "compression": _nullable(_obj({
+        "alg": {**_STR, "description": "lz4 (SPEC 4.8): byte shuffle + lz4 per section"},
+        "sections": {"type": "array", "items": _obj({
+            "stride": {**_INT, "description": "0: stored verbatim; else the shuffle stride of one lz4 block"},
+            "raw_len": {**_INT, "description": "the section's length once decompressed"}})}})),
     "sections": {"type": "array", "items": _obj({"name": _STR, "offset": _INT, "length": _INT})},
     "payload_len": _INT, "checksum_alg": _STR, "checksum": {"type": "string", "pattern": "^[0-9a-f]{16}$"},
     "quant": _nullable({"type": "object"}), "ns_fields": _nullable(_ref("NamespaceFields")),
@@ -100,7 +106,10 @@ SCHEMAS: dict[str, Any] = {
     "BlockPage": _obj({"blocks": {"type": "array", "items": _ref("Block")}, "next_cursor": _nullable(_STR)}),
     "LookupRequest": _obj({"ns": _NS_HEX, "token_ids": {"type": "array", "maxItems": MAX_LOOKUP_TOKENS,
                                                         "items": {"type": "integer", "minimum": 0,
-                                                                  "maximum": (1 << 32) - 1}}}),
+                                                                  "maximum": (1 << 32) - 1}},
+                           "accept_lossy": {"type": "boolean", "description": (
+                               "false: count exact copies only (a block a lossy tier re-encoded ends the "
+                               "prefix); default: the store's accept_lossy")}}, ("ns", "token_ids")),
     "LookupResult": _obj({"hit_tokens": _INT, "num_tokens": _INT, "num_blocks": _INT, "hit_blocks": _INT,
                           "block_tokens": _INT,
                           "per_tier": {"type": "object", "additionalProperties": _INT,

@@ -355,28 +355,29 @@ async def lookup(request: web.Request) -> web.Response:
     # Parsing, checking and hashing up to MAX_LOOKUP_TOKENS ids takes a fraction of a second:
     # in a worker thread, one lookup at a time, so the loop (and the data plane) keeps its pace.
     async with request.app[HEAVY_KEY]:
-        ns, tokens, keys = await asyncio.to_thread(_lookup_keys, raw, namespaces)
-    ns_id = ns.ns_id
-    found = store.lookup(ns_id, keys)
+        ns, tokens, keys, accept_lossy = await asyncio.to_thread(_lookup_keys, raw, namespaces)
+    hits, names = store.lookup_names(ns.ns_id, keys, accept_lossy=accept_lossy)
     per_tier: dict[str, int] = {}
-    for tier in found.tiers:
-        label = views.tier_label(tier)
+    for label in names:
         per_tier[label] = per_tier.get(label, 0) + ns.block_tokens
-    hit_tokens = found.num_hits * ns.block_tokens
+    hit_tokens = hits * ns.block_tokens
     ctx.metrics.add_lookup_tokens(hit_tokens, len(tokens) - hit_tokens)
     return web.json_response({"hit_tokens": hit_tokens, "num_tokens": len(tokens), "num_blocks": len(keys),
-                              "hit_blocks": found.num_hits, "block_tokens": ns.block_tokens, "per_tier": per_tier})
+                              "hit_blocks": hits, "block_tokens": ns.block_tokens, "per_tier": per_tier})
 
 
-def _lookup_keys(raw: bytes, namespaces: dict[bytes, Any]) -> tuple[Any, list[int], list[bytes]]:
-    """The namespace, token ids and block keys of a lookup body (in a worker thread)."""
+def _lookup_keys(raw: bytes, namespaces: dict[bytes, Any]) -> tuple[Any, list[int], list[bytes], bool | None]:
+    """The namespace, token ids, block keys and ``accept_lossy`` of a lookup body (in a worker thread)."""
     body = views.parse_json_object(raw)
     ns_id = views.parse_ns(body.get("ns"))
     tokens = views.parse_token_ids(body.get("token_ids"))
+    accept_lossy = body.get("accept_lossy")
+    if accept_lossy is not None and not isinstance(accept_lossy, bool):
+        raise InvalidRequest(f"accept_lossy must be true or false, got {accept_lossy!r}")
     ns = namespaces.get(ns_id)
     if ns is None:
         raise NotFound(f"namespace {ns_id.hex()} is not registered")
-    return ns, tokens, ns.block_keys(tokens)
+    return ns, tokens, ns.block_keys(tokens), accept_lossy
 
 
 @routes.get("/v1/tenants", name="tenants")

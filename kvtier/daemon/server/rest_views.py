@@ -249,7 +249,11 @@ def block_detail(info: BlockInfo, now: float, wall_now: float) -> dict[str, Any]
         "ns_id": h.ns_id.hex(), "chain_hash": h.chain_hash.hex(),
         "parent_hash": h.parent_hash.hex() if h.parent_hash is not None else None,
         "num_tokens": h.num_tokens, "layout": h.layout, "shape": list(h.shape), "dtype": h.dtype,
-        "codec": h.codec, "sections": [{"name": s.name, "offset": s.offset, "length": s.length} for s in h.sections],
+        "codec": h.codec, "lossy": h.codec != "raw",
+        "compression": None if h.compression is None else {
+            "alg": h.compression.alg,
+            "sections": [{"stride": stride, "raw_len": raw} for stride, raw in h.compression.sections]},
+        "sections": [{"name": s.name, "offset": s.offset, "length": s.length} for s in h.sections],
         "payload_len": h.payload_len, "checksum_alg": h.checksum_alg, "checksum": f"{h.checksum:016x}",
         "quant": h.quant.to_wire() if h.quant is not None else None,
         "ns_fields": redact_ns_fields(h.ns_fields) if h.ns_fields is not None else None,

@@ -127,8 +127,31 @@ async def test_block_detail(tmp_path):
         assert h["chain_hash"] == keys[1].hex() and h["parent_hash"] == keys[0].hex()
         assert h["shape"] == [1, 2, 1, 16, 64] and h["dtype"] == "float16" and h["codec"] == "raw"
         assert h["sections"] == [{"name": "payload", "offset": 0, "length": 4096}]
+        assert h["lossy"] is False and h["compression"] is None
         assert re.fullmatch(r"[0-9a-f]{16}", h["checksum"]) and h["checksum_alg"] == "xxh3-64"
         assert h["ns_fields"]["salted"] is True and "tenant_salt" not in h["ns_fields"]
+
+
+async def test_block_detail_shows_the_compression_stage(tmp_path):
+    import torch
+
+    from kvtier_protocol.block import encode_block
+    from kvtier_protocol.header import split_record
+
+    async with open_ctx(tmp_path) as ctx, rest_client(ctx) as client:
+        (key,) = NS.block_keys(tokens_for(1))
+        block = torch.zeros(NS.num_layers, 2, NS.num_kv_heads, NS.block_tokens, NS.head_dim, dtype=torch.float16)
+        record = encode_block(block, ns_id=NS.ns_id, chain_hash=key, parent_hash=None, layout="canonical",
+                              ns_fields=NS.to_wire(), compression="lz4")
+        h, payload = split_record(record)
+        res = await ctx.store.reserve(NS.ns_id, [key], [len(payload)])
+        ctx.store.host.view(res.slots[0])[:] = payload
+        assert await ctx.store.commit(res.lease_id, [bytes(record[:len(record) - len(payload)])]) == [True]
+        info = await (await client.get(f"/v1/blocks/{NS_HEX}/{key.hex()}")).json()
+        shown = info["header"]
+        assert shown["codec"] == "raw" and shown["lossy"] is False
+        assert shown["compression"]["alg"] == "lz4" and len(payload) < 4096
+        assert [s["raw_len"] for s in shown["compression"]["sections"]] == [4096]
 
 
 async def test_lookup_by_token_ids(tmp_path):
@@ -144,9 +167,14 @@ async def test_lookup_by_token_ids(tmp_path):
         assert found["hit_tokens"] == 32 and found["hit_blocks"] == 2 and found["num_blocks"] == 5
         found = await (await client.post("/v1/lookup", json={"ns": NS_HEX, "token_ids": []})).json()
         assert found["hit_tokens"] == 0 and found["per_tier"] == {}
+        exact = await (await client.post("/v1/lookup", json={"ns": NS_HEX, "token_ids": tokens,
+                                                             "accept_lossy": False})).json()
+        assert exact["hit_tokens"] == 192, "raw copies are exact copies"
+        resp = await client.post("/v1/lookup", json={"ns": NS_HEX, "token_ids": tokens, "accept_lossy": "no"})
+        assert await error_of(resp, 400) == "invalid_request"
         body = (await (await client.get("/metrics")).read()).decode()
         values = {s.name: s.value for f in text_string_to_metric_families(body) for s in f.samples if not s.labels}
-        assert values["kvtier_lookup_hit_tokens_total"] == 192 + 32
+        assert values["kvtier_lookup_hit_tokens_total"] == 192 + 32 + 192
         assert values["kvtier_lookup_miss_tokens_total"] == 3 + 48
 
 

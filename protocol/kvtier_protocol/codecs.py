@@ -396,20 +396,23 @@ def _encode_native(pl: CodecPlan, x: torch.Tensor, q: QuantParams) -> tuple[list
         for p, geom in enumerate(geoms):
             _codecs.quantize(src, dt, *geom, 0, _mv(div), _mv(div), _mv(out), p * pl.H * pl.T, rows)
         return [("payload", out), ("scales", _bytes(stored))], q
+    # The per-group values the codes are computed from, in C too (a dozen small torch operations
+    # cost a third of a 2 MiB block's encode): the same rules as _encode_int, the same bytes.
     qmax = float((1 << q.bits) - 1)
-    scales = (hi - lo) / qmax
-    if not bool(torch.isfinite(scales).all()):
-        raise CodecError("value range of a group overflows float32")
-    if q.scale_dtype == "float16" and not _fits_fp16([scales], [lo]):
+    n = pl.L * per_layer
+    div, mins = torch.empty(n), torch.empty(n)
+    for f16 in (True, False) if q.scale_dtype == "float16" else (False,):
+        stored_s = torch.empty(n * (2 if f16 else 4), dtype=torch.uint8)
+        stored_m = torch.empty_like(stored_s)
+        status = _codecs.int_params(_mv(lo), _mv(hi), qmax, f16, _mv(stored_s), _mv(stored_m), _mv(div), _mv(mins))
+        if status == 1:
+            raise CodecError("value range of a group overflows float32")
+        if status == 0:
+            break
         q = replace(q, scale_dtype="float32")  # recorded in the header: never a silent overflow
-    sdt = getattr(torch, q.scale_dtype)
-    # Codes are computed from the STORED scale and min, so a decoder reproduces the encoder's grid.
-    stored_s, stored_m = scales.to(sdt), lo.to(sdt)
-    s = stored_s.float()
-    div, mins = torch.where(s > 0, s, math.inf), stored_m.float()
     for p, geom in enumerate(geoms):
         _codecs.quantize(src, dt, *geom, q.bits, _mv(div), _mv(mins), _mv(out), p * pl.H * pl.T, rows)
-    return [("payload", out), ("scales", _bytes(stored_s)), ("mins", _bytes(stored_m))], q
+    return [("payload", out), ("scales", stored_s), ("mins", stored_m)], q
 
 
 _FP8_TABLE = _fp8_to_float(torch.arange(256, dtype=torch.uint8)).contiguous()

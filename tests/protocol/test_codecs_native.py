@@ -173,3 +173,34 @@ def test_every_quantized_golden_vector_source(spec) -> None:
         return
     _check(x.contiguous(), spec.codec, quant, mla=lay.is_mla)
     _check(x, spec.codec, quant, mla=lay.is_mla)  # a strided view: the C loops read a contiguous copy
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("codec", ("int8", "int4", "int2"))
+def test_stored_scales_and_minima_round_alike(codec: str, dtype: torch.dtype) -> None:
+    """The per-group parameters (C's int_params against the torch path): float16 minima that are
+    subnormal or round up to the next binade, scales at every magnitude float16 holds, and minima
+    just past +-65504, which send the block to float32 scales."""
+    gen = torch.Generator().manual_seed(13)
+    x = synthetic_kv(2, 2, 24, 32, dtype=torch.float32, seed=4)
+    offsets = torch.exp2(torch.randint(-30, 15, (2, 1, 2, 1, 32), generator=gen).float())
+    x = x * torch.exp2(torch.randint(-12, 12, (2, 2, 2, 1, 1), generator=gen).float()) * 1e-3 + offsets
+    _check(x.to(dtype), codec)
+    sub = (torch.rand(x.shape, generator=gen) + torch.rand(x.shape, generator=gen) * 2**-16).to(dtype)
+    sub[:, :, :, 0] = 3 * 2**-20  # per-channel (K) and per-token (V) minima among float16's subnormals
+    _check(sub, codec)
+    assert encode(sub, codec, native=True).quant.scale_dtype == "float16"
+    if dtype != torch.float16:
+        past = x.clone()
+        past[0, 0, 0, :, 0] = 65520.0 + torch.arange(24.0)  # a minimum float16 cannot hold
+        _check(past.to(dtype), codec)
+        assert encode(past.to(dtype), codec, native=True).quant.scale_dtype == "float32"
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_a_range_overflowing_float32_is_refused_by_both(dtype: torch.dtype) -> None:
+    x = torch.zeros(1, 2, 1, 2, 2)
+    x[0, 0, 0, :, 0] = torch.tensor([-3e38, 3e38])
+    for native in (False, True):
+        with pytest.raises(CodecError, match="overflows float32"):
+            encode(x.to(dtype), "int8", native=native)

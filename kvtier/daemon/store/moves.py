@@ -28,7 +28,7 @@ import asyncio
 import functools
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvtier_protocol.errors import KVTierError, StorageError
@@ -55,6 +55,10 @@ Payload = bytes | memoryview  # a verified payload copy: memoryviews are the dis
 MEMORY_TIERS = (Tier.GPU, Tier.HOST)
 RECODE_DTYPES = frozenset({"bfloat16", "float16", "float32"})
 """Dtypes of the raw records a lossy disk codec re-encodes (the codecs' C loops read these)."""
+RECODE_CHUNKS = 4
+"""A demotion batch with a lossy disk codec is re-encoded and written in up to this many chunks,
+one encoded while the one before is written (:meth:`Mover._write_recoded`): more overlap, at one
+metadata commit per chunk."""
 
 
 log = logging.getLogger(__name__)
@@ -376,13 +380,61 @@ class Mover:
         A host copy that fails its checksum is counted and not written. Blocks that do not fit
         (after evicting disk LRU blocks) or whose write fails are left without a disk copy, as
         by :meth:`write_disk_verified`. The index is not touched: see :meth:`_swap_to_disk`.
+
+        The batch goes down in chunks, each re-encoded while the chunk before is written (two
+        threads of the I/O pool: the codec's C loops and the writes release the GIL), as the raw
+        path copies a block while the one before is written; encoding the whole batch first left
+        the disk idle for as long as the codec ran.
         """
         assert self.disk is not None, "demotion to disk needs a disk tier"
         if not metas:
             return {}
         compression = None if self.cfg.disk_compression == "none" else self.cfg.disk_compression
         items = [(m.header, self.host.view(m.host_slot), m.checksum, rope[m]) for m in metas]
-        got = await self.run(recode_verified, items, self.cfg.disk_codec, compression, self.disk.buffers)
+        step = max(1, -(-len(metas) // RECODE_CHUNKS))
+        chunks = [range(i, min(len(metas), i + step)) for i in range(0, len(metas), step)]
+        written: dict[BlockMeta, Recoded] = {}
+        first = chunks[0]
+        pending: Future[list[Recoded | None]] | None = self._recode_soon(items[first.start:first.stop], compression)
+        try:
+            for i, r in enumerate(chunks):
+                got = await asyncio.wrap_future(pending)
+                pending = self._recode_soon(items[chunks[i + 1].start:chunks[i + 1].stop], compression) \
+                    if i + 1 < len(chunks) else None
+                # the records written by earlier chunks are not placed yet: their room is kept
+                done = await self._write_chunk(metas[r.start:r.stop], got,
+                                               sum(len(rec.header) + rec.size for rec in written.values()))
+                if done is None:  # the write failed: the rest is not written either
+                    break
+                written.update(done)
+        finally:
+            if pending is not None:  # still encoding (an error, a cancellation): its buffers go back after
+                pending.add_done_callback(self._give_back_recoded)
+        return written
+
+    def _recode_soon(self, items: list[tuple[bytes, memoryview, int, int]],
+                     compression: str | None) -> Future[list[Recoded | None]]:
+        """:func:`recode_verified` of ``items`` submitted to the I/O pool (a future of the pool's,
+        not the loop's: :meth:`_give_back_recoded` can follow it even after a cancellation)."""
+        assert self.disk is not None, "demotion to disk needs a disk tier"
+        return self.pool.submit(recode_verified, items, self.cfg.disk_codec, compression, self.disk.buffers)
+
+    def _give_back_recoded(self, fut: Future[list[Recoded | None]]) -> None:
+        """Return the buffers of a re-encoded chunk that will never be written (any thread)."""
+        assert self.disk is not None, "demotion to disk needs a disk tier"
+        if fut.cancelled() or fut.exception() is not None:
+            return
+        for rec in fut.result():
+            if rec is not None:
+                self.disk.buffers.give_back(rec.payload)
+
+    async def _write_chunk(self, metas: list[BlockMeta], got: list[Recoded | None],
+                           kept: int) -> dict[BlockMeta, Recoded] | None:
+        """Write one re-encoded chunk of :meth:`_write_recoded` (``got``: per block, its record or
+        None for a host copy that failed its checksum), making room for it on top of ``kept``
+        bytes (the earlier chunks' records, written but not yet placed); the blocks written, None
+        when the write failed. Every buffer of ``got`` goes back to the disk tier's pool."""
+        assert self.disk is not None, "demotion to disk needs a disk tier"
         todo: list[tuple[BlockMeta, Recoded]] = []
         for meta, rec in zip(metas, got):
             if rec is None:
@@ -394,7 +446,7 @@ class Mover:
             batch_bytes = 0
             for meta, rec in todo:
                 charge = len(rec.header) + rec.size  # the disk charge of the record written
-                if await self.make_room_disk(batch_bytes + charge):
+                if await self.make_room_disk(kept + batch_bytes + charge):
                     batch.append((meta, rec))
                     batch_bytes += charge
             if not batch:
@@ -403,7 +455,7 @@ class Mover:
                 await self.run(self.disk.put_many, [(m.key, r.header, r.payload) for m, r in batch])
             except StorageError:
                 self.counters.storage_errors += 1
-                return {}
+                return None
             return dict(batch)
         finally:
             for _, rec in todo:

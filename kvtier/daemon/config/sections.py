@@ -11,9 +11,12 @@ import os
 import re
 from dataclasses import dataclass
 
+from kvtier_protocol.codec_plan import CODECS
+
 from kvtier.daemon.config.values import (MIB, MIN_TOKEN_LEN, UNIX_PATH_MAX, ConfigError, hostport_option, positive,
                                          typed)
 from kvtier.daemon.remote.address import PREFIX, parse_cluster_url
+from kvtier.daemon.store.config import TIER_COMPRESSIONS
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,6 +199,15 @@ class RemoteConfig:
         lookup_budget_ms: what a lookup may spend asking the cluster for the rest of a prefix;
             then it answers with what it knows.
         key_prefix: first part of every key: ``<key_prefix>:<tenant>:...``.
+        codec: the codec of the records this daemon uploads (issue 25; TOML also
+            ``[tiers.remote] codec``). ``"raw"`` (default) uploads every record as it is. A
+            quantizing codec (``"int8"``, ...) re-encodes, on the I/O pool, each uploaded record
+            whose header says raw (uncompressed) float16/bfloat16/float32 KV; the cluster's copy
+            then says that codec, and a request with ``accept_lossy`` false never gets it. Other
+            records go up as they are. The host copy is untouched.
+        compression: ``"lz4"``: byte-shuffle and LZ4 each section of a re-encoded record (SPEC.md
+            §4.8; lossless); ``"none"`` (default). Applies only to the records ``codec`` re-encodes
+            (TOML also ``[tiers.remote] compression``).
     """
 
     url: str | None = None
@@ -207,6 +219,8 @@ class RemoteConfig:
     timeout_s: float = 1.0
     lookup_budget_ms: float = 10.0
     key_prefix: str = "kvtier"
+    codec: str = "raw"
+    compression: str = "none"
 
     def __repr__(self) -> str:  # the password stays in its file; its path alone is shown
         return (f"RemoteConfig(url={self.url!r}, user={self.user!r}, password_file={self.password_file!r}, "
@@ -229,6 +243,10 @@ class RemoteConfig:
         positive("remote.lookup_budget_ms", self.lookup_budget_ms, number=True)
         if not PREFIX.fullmatch(typed("remote.key_prefix", self.key_prefix, str)):
             raise ConfigError(f"remote.key_prefix must match {PREFIX.pattern}, got {self.key_prefix!r:.80}")
+        if typed("remote.codec", self.codec, str) not in CODECS:
+            raise ConfigError(f"remote.codec must be one of {CODECS}, got {self.codec!r:.80}")
+        if typed("remote.compression", self.compression, str) not in TIER_COMPRESSIONS:
+            raise ConfigError(f"remote.compression must be one of {TIER_COMPRESSIONS}, got {self.compression!r:.80}")
 
     @property
     def enabled(self) -> bool:

@@ -8,8 +8,9 @@ merges. Torch-free. Sources, highest precedence first::
 The TOML file has the sections ``[store]`` (the fields of :class:`~kvtier.daemon.store.config.StoreConfig`),
 ``[dataplane]``, ``[rest]``, ``[events]``, ``[auth]``, ``[remote]``, ``[daemon]`` (``data_dir``, ``log_level``,
 ``drain_timeout_s``), ``[tenants.<name>]`` (:mod:`kvtier.daemon.config.tenants`; file only) and
-``[tiers.disk]`` (the disk tier's ``codec`` and ``compression``: file spellings of
-``store.disk_codec`` and ``store.disk_compression``, :data:`TIER_OPTIONS`);
+``[tiers.disk]`` / ``[tiers.remote]`` (each tier's ``codec`` and ``compression``: file spellings of
+``store.disk_codec`` / ``store.disk_compression`` and ``remote.codec`` / ``remote.compression``,
+:data:`TIER_OPTIONS`);
 ``configs/kvtier.toml`` documents every option with its default. Unknown sections
 or keys are errors, so a typo never silently falls back to a default.
 
@@ -64,10 +65,12 @@ ENV_ALIASES: dict[str, str] = {
 }
 """Short environment names of the common options (each also has its ``KVTIER_S__K`` name)."""
 
-TIER_OPTIONS: dict[str, dict[str, str]] = {"disk": {"codec": "store.disk_codec", "compression": "store.disk_compression"}}
+TIER_OPTIONS: dict[str, dict[str, str]] = {
+    "disk": {"codec": "store.disk_codec", "compression": "store.disk_compression"},
+    "remote": {"codec": "remote.codec", "compression": "remote.compression"},
+}
 """``[tiers.<tier>] key`` -> the option it sets (issue 25: precision by tier). The host tier keeps
-what clients write; the remote tier keeps the records' own codec (the remote verifier checks it
-against the namespace), so only the disk tier has a table."""
+what clients write, so it has no table."""
 
 
 def _kinds() -> dict[str, str]:
@@ -152,7 +155,7 @@ def _from_toml(path: str) -> tuple[dict[str, tuple[Any, str]], tuple[TenantConfi
         raise ConfigError(f"unknown option(s) in {path}: {', '.join(unknown)} (see configs/kvtier.toml)")
     for option, value in tiers.items():
         if option in out:
-            raise ConfigError(f"{path}: {option} is set twice ([store] and [tiers]); keep one")
+            raise ConfigError(f"{path}: {option} is set twice ([{option.split('.')[0]}] and [tiers]); keep one")
         out[option] = value
     return out, tenants
 
@@ -166,7 +169,7 @@ def _tier_options(doc: Any, path: str) -> dict[str, tuple[Any, str]]:
         keys = TIER_OPTIONS.get(tier)
         if keys is None:
             raise ConfigError(f"[tiers.{tier}] (file {path}): only {', '.join(f'[tiers.{t}]' for t in TIER_OPTIONS)} "
-                              "takes a codec (host keeps what clients write, remote the records' own codec)")
+                              "takes a codec (host keeps what clients write)")
         for key, value in table.items():
             if key not in keys:
                 raise ConfigError(f"unknown key [tiers.{tier}] {key} in {path} (allowed: {', '.join(keys)})")

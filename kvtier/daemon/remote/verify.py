@@ -6,6 +6,17 @@ only when it decodes as one whole record (SPEC.md §4: preamble, header checksum
 payload matches the header's length and xxh3-64, and the header names exactly the key's namespace
 and chain hash (and, when the namespace is known, fits its geometry). Anything else is a typed
 miss the caller counts and deletes. Torch-free, no I/O.
+
+Precision by tier (issue 25): a daemon with a lossy remote codec (``[tiers.remote] codec``)
+uploads raw float KV re-encoded, so a record's codec may differ from its namespace's
+``kv_codec``. Such a record is accepted only as a re-encoding the tiers produce: of a raw
+namespace, with one of the quantizing codecs, in the canonical layout, its sections exactly those
+the codec's plan gives for the namespace's shape and dtype (so the engine's decoder reads no byte
+outside them and builds no tensor but the namespace's), MLA rope dims those of the namespace, a
+compression stage only of a known algorithm. Its header says the codec, so the store serves it only
+to requests that accept lossy copies. What no check can see is a forged record's values (scales
+included): a writer of the cluster could store any raw KV too; the checksum guards integrity, not
+honesty, and the cluster's ACLs guard who writes.
 """
 
 from __future__ import annotations
@@ -16,9 +27,11 @@ from dataclasses import dataclass
 
 import cbor2
 
+from kvtier_protocol.codec_plan import CODECS, plan_codec
+from kvtier_protocol.compression import ALGORITHMS
 from kvtier_protocol.errors import ChecksumMismatch, KVTierError, LimitExceeded, NamespaceError, Truncated
 from kvtier_protocol.header import DEFAULT_MAX_PAYLOAD_LEN, BlockHeader, split_record, verify_payload
-from kvtier_protocol.layouts import get_layout
+from kvtier_protocol.layouts import Layout, get_layout
 from kvtier_protocol.namespace import NS_DOMAIN, Namespace
 
 from kvtier.daemon.remote.backend import RemoteKey
@@ -115,8 +128,6 @@ def _geometry_problem(h: BlockHeader, ns: Namespace) -> str:
         return f"{h.num_tokens} tokens, namespace blocks hold {ns.block_tokens}"
     if h.dtype != ns.kv_dtype:
         return f"dtype {h.dtype}, namespace kv_dtype {ns.kv_dtype}"
-    if h.codec != ns.kv_codec:
-        return f"codec {h.codec}, namespace kv_codec {ns.kv_codec}"
     if layout.is_mla != (ns.attention == "mla"):
         return f"layout {h.layout} does not fit attention {ns.attention}"
     if g.num_layers != ns.num_layers:
@@ -126,6 +137,36 @@ def _geometry_problem(h: BlockHeader, ns: Namespace) -> str:
             return f"latent {g.latent_dim}, namespace has {ns.head_dim}+{ns.mla_rope_dim}"
     elif (g.num_heads, g.head_dim, g.head_dim) != (ns.num_kv_heads, ns.head_dim, ns.head_dim_v):
         return f"{g.num_heads} heads x {g.head_dim} dims, namespace has {ns.num_kv_heads} x {ns.head_dim}"
+    if h.codec != ns.kv_codec:  # last: the geometry above is the namespace's, whatever the codec
+        return _recoding_problem(h, ns, layout)
+    return ""
+
+
+RECODINGS = tuple(c for c in CODECS if c != "raw")
+"""The codecs a tier may re-encode a raw namespace's records with (``[tiers.*] codec``)."""
+
+
+def _recoding_problem(h: BlockHeader, ns: Namespace, layout: Layout) -> str:
+    """What keeps ``h``, whose codec is not its namespace's, from being a re-encoding the tiers
+    produce ("" when nothing does; see the module docstring). The caller checked the geometry."""
+    mismatch = f"codec {h.codec}, namespace kv_codec {ns.kv_codec}"
+    if ns.kv_codec != "raw" or h.codec not in RECODINGS:
+        return mismatch + " (tiers re-encode raw KV only, with one of " + ", ".join(RECODINGS) + ")"
+    if layout.name != layout.canonical_name:  # the codecs read canonical layouts only (SPEC 5.1)
+        return f"{mismatch}: layout {h.layout} is not canonical"
+    if h.quant is None or (layout.is_mla and h.quant.rope_dims != ns.mla_rope_dim):
+        return f"{mismatch}: quant parameters do not fit the namespace"
+    if h.compression is not None and h.compression.alg not in ALGORITHMS:
+        return f"{mismatch}: unknown compression {h.compression.alg!r:.40}"
+    try:
+        plan = plan_codec(h.codec, h.quant, h.shape, h.dtype, layout.is_mla).lengths()
+    except KVTierError as e:
+        return f"{mismatch}: {e}"
+    # Before compression, each section is exactly as long as the plan says: the decoder then
+    # reads no byte outside the record and decodes to the header's (the namespace's) shape.
+    lengths = [n for _, n in h.compression.sections] if h.compression is not None else [s.length for s in h.sections]
+    if [name for name, _ in plan] != [s.name for s in h.sections] or [n for _, n in plan] != lengths:
+        return f"{mismatch}: sections do not follow the codec's plan"
     return ""
 
 

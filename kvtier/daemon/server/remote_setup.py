@@ -39,7 +39,8 @@ def remote_args(config: DaemonConfig, tenant: str | None) -> dict[str, Any]:
         raise ConfigError(f"remote.password_file: cannot read it: {e.strerror or e}") from None
     name = tenant if tenant is not None else REMOTE_DEFAULT_TENANT
     options = RemoteOptions(tenant=name, write_mode=rc.write_mode, upload_queue_bytes=rc.upload_queue_bytes,
-                            lookup_budget_s=rc.lookup_budget_ms / 1000, timeout_s=rc.timeout_s)
+                            lookup_budget_s=rc.lookup_budget_ms / 1000, timeout_s=rc.timeout_s,
+                            codec=rc.codec, compression=rc.compression)
     log.info("kvtierd remote tier%s: %s as %s, keys %s:%s:*, write mode %s", f" of tenant {tenant}" if tenant else "",
              blocks.address, rc.user or "the default user", rc.key_prefix, name, rc.write_mode)
     return {"remote": blocks, "remote_options": options}

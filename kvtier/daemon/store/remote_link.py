@@ -10,6 +10,9 @@
               (checksum verified) ─► remote.put ─► STORED REMOTE event, unpin
     back:     host eviction ─► offer_copies(victims): records copied before the slots are freed
     queue:    bounded in payload bytes; an upload beyond it is dropped and counted
+    codec:    with a lossy RemoteOptions.codec, each record built for upload that is raw float KV is
+              re-encoded on the way (transfers.recode_verified, the disk demotion's: verified
+              source, new header, same key), on the I/O pool; the host copy stays as it is
 
 The remote engine is a :class:`~kvtier.daemon.remote.backend.RemoteBlocks` (never raises for a
 fault: a miss, ``False``); with :class:`~kvtier.daemon.remote.backend.NoRemoteBlocks` every method
@@ -24,17 +27,26 @@ import collections
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from kvtier_protocol.header import BlockHeader, payload_checksum
+from kvtier_protocol.codec_plan import CODECS
+from kvtier_protocol.errors import KVTierError
+from kvtier_protocol.header import BlockHeader, decode_header, payload_checksum
+from kvtier_protocol.layouts import get_layout
 from kvtier_protocol.namespace import Namespace
 
 from kvtier.daemon.remote.backend import NoRemoteBlocks, RemoteBlocks, RemoteKey
 from kvtier.daemon.remote.verify import MissReason, verify_namespace, verify_record
+from kvtier.daemon.store.config import TIER_COMPRESSIONS
+from kvtier.daemon.store.disk_io import BufferPool
 from kvtier.daemon.store.host import HostTier
 from kvtier.daemon.store.index import BlockIndex, BlockMeta
 from kvtier.daemon.store.stats import EventKind
+from kvtier.daemon.store.transfers import recode_verified
 from kvtier.daemon.store.types import NS_ID_LEN, BlockKey, Tier
+
+if TYPE_CHECKING:
+    from kvtier.daemon.store.disk import DiskTier
 
 R = TypeVar("R")
 
@@ -45,6 +57,7 @@ class Mover(Protocol):
 
     index: BlockIndex
     host: HostTier
+    disk: DiskTier | None
     remote: RemoteLink | None
 
     async def run(self, fn: Any, *args: Any) -> Any: ...
@@ -65,6 +78,10 @@ LOOKUP_WINDOW = 32
 """Keys a lookup asks the cluster about first; each window after a full run of hits is twice as large."""
 PINNED_SHARE = 4
 """Write-through pins queued blocks in host memory: at most 1/PINNED_SHARE of the host tier."""
+RECODE_DTYPES = frozenset({"bfloat16", "float16", "float32"})
+"""Dtypes of the raw records a lossy remote codec re-encodes: the disk path's
+(``kvtier.daemon.store.moves.RECODE_DTYPES``; moves imports this module, so it is restated here,
+and a test holds the two equal)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +94,9 @@ class RemoteOptions:
         upload_queue_bytes: payload bytes queued for upload at most (0: nothing is uploaded).
         lookup_budget_s: what a lookup may wait for the cluster.
         timeout_s: deadline of one fetch or upload call (None: the backend's own).
+        codec: the codec of uploaded records (issue 25): ``"raw"`` uploads every record as it is;
+            a quantizing codec re-encodes the raw float KV records (see the module docstring).
+        compression: ``"lz4"`` or ``"none"``: the lossless stage of re-encoded records.
     """
 
     tenant: str = "default"
@@ -84,9 +104,15 @@ class RemoteOptions:
     upload_queue_bytes: int = 256 << 20
     lookup_budget_s: float = 0.010
     timeout_s: float | None = None
+    codec: str = "raw"
+    compression: str = "none"
 
     def __post_init__(self) -> None:
         RemoteKey.of(self.tenant, bytes(NS_ID_LEN + 8))  # raises ValueError for a bad tenant name
+        if self.codec not in CODECS:
+            raise ValueError(f"codec must be one of {CODECS}, got {self.codec!r}")
+        if self.compression not in TIER_COMPRESSIONS:
+            raise ValueError(f"compression must be one of {TIER_COMPRESSIONS}, got {self.compression!r}")
         if self.write_mode not in WRITE_MODES:
             raise ValueError(f"write_mode must be one of {WRITE_MODES}, got {self.write_mode!r}")
         if self.upload_queue_bytes < 0 or not self.lookup_budget_s > 0:
@@ -107,6 +133,8 @@ class LinkCounters:
             uploads dropped because the queue was full; upload_failures: uploads the cluster did
             not acknowledge (or whose host copy failed its checksum).
         uploaded: blocks the cluster acknowledged.
+        recoded / recoded_saved_bytes: records re-encoded with the remote codec for upload, and
+            the record bytes that saved (raw record minus re-encoded record).
         queue_bytes / queue_blocks: what waits for upload now (gauges).
         namespaces_fetched / namespaces_uploaded: namespaces learnt from / stored in the cluster.
     """
@@ -121,6 +149,8 @@ class LinkCounters:
     upload_drop_bytes: int = 0
     upload_failures: int = 0
     uploaded: int = 0
+    recoded: int = 0
+    recoded_saved_bytes: int = 0
     queue_bytes: int = 0
     queue_blocks: int = 0
     namespaces_fetched: int = 0
@@ -172,6 +202,13 @@ class RemoteLink:
         self._idle = asyncio.Event()  # set while nothing waits for upload
         self._idle.set()
         self._closing = False
+        self._known: dict[bytes, Namespace] = {}  # namespaces offered or learnt: MLA rope dims for re-encoding
+        self._recode_pool = BufferPool(keep_bytes=UPLOAD_BATCH_BYTES) if self.recodes else None
+
+    @property
+    def recodes(self) -> bool:
+        """Whether uploads re-encode raw records (a lossy :attr:`RemoteOptions.codec`)."""
+        return self.options.codec != "raw"
 
     @property
     def uploads(self) -> bool:
@@ -201,6 +238,8 @@ class RemoteLink:
         if self.write_through:  # pinned blocks must leave most of the host tier to the clients
             self._limit = min(self._limit, max(1, mover.index.capacity[Tier.HOST] // PINNED_SHARE))
         if self.uploads:
+            if self.recodes:
+                _load_codecs()
             self._uploader = asyncio.create_task(self._upload_loop(), name="kvtier-remote-uploader")
 
     async def close(self) -> None:
@@ -224,9 +263,15 @@ class RemoteLink:
 
     # --- lookup and fetch ----------------------------------------------------------------------
 
-    async def lookup(self, keys: Sequence[BlockKey]) -> int:
-        """How many of ``keys``, from the first, the cluster holds (within the lookup budget)."""
-        if not self.enabled or not keys:
+    async def lookup(self, keys: Sequence[BlockKey], *, exact: bool = False) -> int:
+        """How many of ``keys``, from the first, the cluster holds (within the lookup budget).
+
+        ``exact``: the request takes exact copies only. With a lossy codec this daemon uploads
+        re-encoded records, and every daemon of a cluster is meant to have the same codec, so the
+        cluster's copies count as lossy (EXISTS cannot tell): none is counted. (Acquire judges each
+        fetched record by its header all the same.)
+        """
+        if not self.enabled or not keys or (exact and self.recodes):
             return 0
         # Windows that double while every key is there: a long prompt whose prefix ends early
         # costs one small batch, not thousands of EXISTS; all windows share the one budget.
@@ -352,6 +397,7 @@ class RemoteLink:
         ns = verify_namespace(ns_id, raw) if raw is not None else None
         if ns is not None:
             self.counters.namespaces_fetched += 1
+            self._known.setdefault(ns_id, ns)
         return ns
 
     def _bad(self, key: BlockKey, reason: MissReason) -> None:
@@ -443,8 +489,8 @@ class RemoteLink:
             return
         mover = self._mover
         assert mover is not None, "attach() before offer_copies()"
-        records = await mover.run(_records, [m.header for m in todo], [mover.host.view(m.host_slot) for m in todo],
-                                  [m.checksum for m in todo])
+        records = await self._build([m.header for m in todo], [mover.host.view(m.host_slot) for m in todo],
+                                    [m.checksum for m in todo])
         for meta, record in zip(todo, records):
             if record is None:
                 self.counters.upload_failures += 1
@@ -454,6 +500,7 @@ class RemoteLink:
 
     def offer_namespace(self, ns: Namespace) -> None:
         """Queue a namespace's canonical bytes for upload (so daemons that never saw it serve it)."""
+        self._known[ns.ns_id] = ns
         if self.uploads and not self._closing:
             self._namespaces.append(ns)
             self._wake.set()
@@ -515,9 +562,9 @@ class RemoteLink:
                 # Built on the pool from the pinned host copies, then unpinned at once: the
                 # network wait below holds no host memory but these records.
                 live = [u for u in pinned if u.meta is not None and u.meta.linked and u.meta.host_slot is not None]
-                records = await mover.run(_records, [u.meta.header for u in live],  # type: ignore[union-attr]
-                                          [mover.host.view(u.meta.host_slot) for u in live],  # type: ignore[union-attr,arg-type]
-                                          [u.meta.checksum for u in live])  # type: ignore[union-attr]
+                records = await self._build([u.meta.header for u in live],  # type: ignore[union-attr]
+                                            [mover.host.view(u.meta.host_slot) for u in live],  # type: ignore[union-attr,arg-type]
+                                            [u.meta.checksum for u in live])  # type: ignore[union-attr]
                 for u, record in zip(live, records):
                     u.record = record
         finally:
@@ -559,6 +606,46 @@ class RemoteLink:
         """Wait until nothing waits for upload (tests, benchmarks)."""
         await self._idle.wait()
 
+    # --- precision by tier ---------------------------------------------------------------------
+
+    async def _build(self, headers: list[bytes], views: list[memoryview], checksums: list[int]) -> list[bytes | None]:
+        """The records to upload for host blocks (on the I/O pool), None where a host copy fails
+        its checksum: each as it is, or, with a lossy codec, re-encoded where :meth:`_rope_dims`
+        says the codec takes it."""
+        mover = self._mover
+        assert mover is not None, "attach() before uploads"
+        if not self.recodes:
+            return await mover.run(_records, headers, views, checksums)
+        assert self._recode_pool is not None
+        ropes = [self._rope_dims(h) for h in headers]
+        compression = None if self.options.compression == "none" else self.options.compression
+        records, saved = await mover.run(_recoded_records, headers, views, checksums, ropes, self.options.codec,
+                                         compression, self._recode_pool)
+        self.counters.recoded += len(saved)
+        self.counters.recoded_saved_bytes += sum(saved)
+        return records
+
+    def _rope_dims(self, header: bytes) -> int | None:
+        """The MLA rope dims to keep raw when the remote codec re-encodes the record of ``header``
+        (0 for MHA), or None when it goes up as it is: the same rule as the disk demotion's
+        (raw, uncompressed float16/bfloat16/float32 KV; MLA only when the namespace, known here,
+        saved with the disk tier or carried in the header, names its rope dims)."""
+        try:
+            h, _ = decode_header(header)
+            mla = get_layout(h.layout).is_mla
+        except KVTierError:  # never expected: committed headers were checked
+            return None
+        if h.codec != "raw" or h.compression is not None or h.dtype not in RECODE_DTYPES:
+            return None
+        if not mla:
+            return 0
+        ns = self._known.get(h.ns_id)
+        disk = self._mover.disk if self._mover is not None else None
+        if ns is None and disk is not None:
+            ns = disk.namespace(h.ns_id)
+        rope = ns.mla_rope_dim if ns is not None else (h.ns_fields or {}).get("mla_rope_dim")
+        return rope if type(rope) is int and rope >= 0 else None  # unknown: quantizing them could cost more
+
 
 def _records(headers: Sequence[bytes], payloads: Sequence[memoryview], checksums: Sequence[int]) -> list[bytes | None]:
     """Each block's whole record (header + payload), or None where the payload fails its checksum
@@ -567,6 +654,45 @@ def _records(headers: Sequence[bytes], payloads: Sequence[memoryview], checksums
     for header, payload, checksum in zip(headers, payloads, checksums):
         out.append(b"".join((header, payload)) if payload_checksum(payload) == checksum else None)
     return out
+
+
+def _recoded_records(headers: Sequence[bytes], views: Sequence[memoryview], checksums: Sequence[int],
+                     ropes: Sequence[int | None], codec: str, compression: str | None,
+                     pool: BufferPool) -> tuple[list[bytes | None], list[int]]:
+    """:func:`_records`, with the blocks whose ``ropes`` entry is not None re-encoded by
+    :func:`~kvtier.daemon.store.transfers.recode_verified` (the disk demotion's: the host copy
+    verified first, the new payload checked against the new header; a block the codec refuses
+    keeps its record). Also the bytes each re-encoded record saved. Runs on the I/O pool."""
+    todo = [i for i, rope in enumerate(ropes) if rope is not None]
+    plain = [i for i, rope in enumerate(ropes) if rope is None]
+    out: list[bytes | None] = [None] * len(headers)
+    for i, record in zip(plain, _records([headers[i] for i in plain], [views[i] for i in plain],
+                                         [checksums[i] for i in plain])):
+        out[i] = record
+    saved: list[int] = []
+    got = recode_verified([(headers[i], views[i], checksums[i], ropes[i]) for i in todo], codec, compression, pool) \
+        if todo else []
+    for i, rec in zip(todo, got):
+        if rec is None:  # the host copy failed its checksum: never uploaded
+            out[i] = None
+            continue
+        try:
+            out[i] = b"".join((rec.header, rec.payload))
+        finally:
+            pool.give_back(rec.payload)
+        if rec.lossy:
+            saved.append(len(headers[i]) + views[i].nbytes - len(out[i]))  # type: ignore[arg-type]
+    return out, saved
+
+
+def _load_codecs() -> None:
+    """Import torch and the codecs now, at start, not inside the first upload batch (an import
+    of seconds, mostly holding the GIL, would stall the loop); one intra-op thread, as the disk
+    codec sets it (:class:`kvtier.daemon.store.moves.Mover`: the I/O pool is the parallelism)."""
+    import torch  # noqa: PLC0415  (only a lossy remote codec loads it here)
+
+    import kvtier_protocol.block  # noqa: F401, PLC0415
+    torch.set_num_threads(1)
 
 
 def _verify_all(keys: Sequence[RemoteKey], values: Sequence[bytes | bytearray],

@@ -253,7 +253,7 @@ class TieredStore:
             return n, names  # acquire would not fetch past a lossy local copy either
         if self.remote.enabled and n < len(hashes):
             keys = check.check_keys(self.config, ns_id, hashes[n:])
-            more = await self.remote.lookup(keys)
+            more = await self.remote.lookup(keys, exact=self._exact_only(accept_lossy))
             names += ["remote"] * more
             n += more
         return n, names

@@ -619,8 +619,12 @@ class RemoteLink:
         assert self._recode_pool is not None
         ropes = [self._rope_dims(h) for h in headers]
         compression = None if self.options.compression == "none" else self.options.compression
-        records, saved = await mover.run(_recoded_records, headers, views, checksums, ropes, self.options.codec,
-                                         compression, self._recode_pool)
+        try:
+            records, saved = await mover.run(_recoded_records, headers, views, checksums, ropes, self.options.codec,
+                                             compression, self._recode_pool)
+        except Exception:  # never expected (the codec refuses data with KVTierError): upload as they are
+            log.exception("kvtier remote: re-encoding an upload batch failed; its records go up as they are")
+            return await mover.run(_records, headers, views, checksums)
         self.counters.recoded += len(saved)
         self.counters.recoded_saved_bytes += sum(saved)
         return records

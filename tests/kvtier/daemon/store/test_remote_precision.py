@@ -207,3 +207,34 @@ def test_the_remote_codec_takes_the_records_the_disk_codec_takes() -> None:
         RemoteOptions(codec="int3")
     with pytest.raises(ValueError, match="compression"):
         RemoteOptions(codec="int8", compression="zstd")
+
+
+async def test_blocks_promoted_from_disk_go_up_re_encoded_where_the_cluster_lacks_them(
+        cluster: str, tmp_path: Path) -> None:  # noqa: F811
+    prefix = "rprec" + secrets.token_hex(4)
+    rng = random.Random(9)
+    recs = [kv_rec(i, kv(rng, SHAPE, torch.bfloat16), ns=MHA.ns_id) for i in range(3)]
+    first = TieredStore(_config(tmp_path, "a", 32), remote=_backend(cluster, prefix),
+                        remote_options=RemoteOptions(write_mode="read-only"))
+    await first.start()
+    try:
+        first.register_namespace(MHA)
+        await _put(first, recs)
+    finally:
+        await first.close()  # a clean close leaves them on disk, never uploaded
+    store = TieredStore(_config(tmp_path, "a", 32), remote=_backend(cluster, prefix),
+                        remote_options=RemoteOptions(write_mode="through", codec="int8"))
+    probe = _backend(cluster, prefix)
+    await store.start()
+    try:
+        assert [store.info(MHA.ns_id, r.chain_hash).tiers for r in recs] == [[Tier.DISK]] * 3
+        acq = await store.acquire(MHA.ns_id, [r.chain_hash for r in recs])  # promoted: offer_missing
+        store.release(acq.lease_id)
+        await _until("the promoted blocks uploaded", lambda: store.remote.counters.uploaded == 3
+                     and store.remote.counters.queue_blocks == 0 and not store.remote._tasks)
+        values = await probe.get([RemoteKey.of("default", MHA.ns_id + r.chain_hash) for r in recs])
+        assert all(v is not None and decode_header(v)[0].codec == "int8" for v in values)
+        assert store.remote.counters.recoded == 3
+    finally:
+        await store.close()
+        await probe.close()

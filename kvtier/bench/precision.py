@@ -27,29 +27,65 @@ Rows, per model and chain: ``top-1 agreement`` (%), ``KL to raw`` (mean KL(p_raw
 nats, next to the 1e-3 target), ``max logit error`` (max |logit - raw logit| over positions and
 vocabulary, next to the raw logits' standard deviation), ``tokens per GiB`` (from the records'
 sizes, header included, next to raw's). And per model its ``entropy`` and ``lm head scale``.
+
+Two more parts run the daemon's store (:class:`~kvtier.daemon.store.store.TieredStore`: a
+shared-memory host tier and an O_DIRECT disk tier in a temporary directory) with
+``disk_codec = "raw"`` (the baseline) and ``"int8"`` (raw in host, int8 below it) side by side:
+
+* ``demotion`` (``--parts``): the host tier holds ``--demotion-host-blocks`` blocks of a
+  Llama-3-8B-shaped KV block (32 layers, 8 KV heads of 128, 16 tokens: 2 MiB of bfloat16; --quick
+  a small one); ``--demotion-blocks`` more are put in batches of 4, each batch evicting as many to
+  disk: the store's own demotion path (verified copy; with int8 the re-encode and the verification
+  of the new record; the write). Row ``demotion throughput`` (MiB/s of host blocks demoted, raw
+  bytes) int8 next to raw, alternating runs on fresh stores, median; target ratio 0.9. Row
+  ``tokens per GiB of disk`` after the fill, from the disk tier's own charge (headers, file
+  alignment) and its block count.
+* ``zipf``: ``--zipf-docs`` documents of ``--zipf-doc-blocks`` blocks (the same 2 MiB blocks;
+  --quick small ones), each request one document drawn with Zipf
+  weights 1/rank^``--zipf-s``; host and disk tiers together hold about half the documents' raw
+  bytes (host ``--zipf-host-blocks``, disk the rest), so what fits decides the hit rate. Per
+  request: ``acquire`` of the document's stored prefix (disk blocks promoted into host, verified),
+  each block decoded to bfloat16 as an engine loads it (``decode_block``: int8 blocks dequantized),
+  ``release``; then the missing blocks are put (reserve, copy, commit: evicting, demoting,
+  re-encoding). TTFT = the measured load plus a MODELED prefill of the missing tokens at
+  ``--prefill-tokens-per-s`` (default 10,000: an 8B model on one datacenter GPU): the reference
+  engine on two shared CPU cores would measure the CPU, not the cache. Rows ``hit rate`` (% of
+  requested tokens served from the store), ``mean TTFT`` (ms), ``tokens per GiB of disk``
+  (at the end), int8 next to raw; both runs see the same request sequence.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import dataclasses
+import hashlib
 import math
+import os
+import random
 import shutil
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from kvtier.bench.report import Row, SuiteResult, progress
+from kvtier.bench.report import Row, Samples, SuiteResult, alternate, latency_row, progress, throughput_row
+from kvtier.daemon.store.config import StoreConfig
+from kvtier.daemon.store.store import TieredStore
+from kvtier.daemon.store.types import Tier
 from kvtier.engine.checkpoint import make_random_checkpoint
 from kvtier.engine.config import ModelConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.sampler import SamplingParams
 from kvtier_protocol.block import decode_block, encode_block
+from kvtier_protocol.header import encode_header, split_record
 from kvtier_protocol.quant import QuantParams
 
-DESCRIPTION = "top-1 agreement, KL and max logit error of lossy KV codecs (reference engine, GQA and MLA)"
+DESCRIPTION = ("top-1 agreement, KL and max logit error of lossy KV codecs (reference engine, GQA and MLA); "
+               "demotion throughput and a Zipf workload with an int8 disk tier")
 
 CHAINS: dict[str, tuple[str, ...]] = {
     "raw": ("raw",),
@@ -72,6 +108,9 @@ TAIL_TOKENS = 5
 """Prompt tokens after the last full prefix block: computed on every scored step, so the prompt's
 last position always reads the (modified) prefix."""
 NS_ID = bytes(16)
+PARTS = ("quality", "demotion", "zipf")
+DEMOTION_BATCH = 4
+"""Blocks per put in the demotion fill: each put evicts as many host blocks to disk."""
 
 
 def models(quick: bool) -> dict[str, ModelConfig]:
@@ -98,6 +137,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="weights and KV dtype (default bfloat16, what engines store)")
     parser.add_argument("--chains", default=",".join(CHAINS), help="comma-separated chains of " + ", ".join(CHAINS))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help="comma-separated parts of " + ", ".join(PARTS) + " (default all)")
+    parser.add_argument("--demotion-blocks", type=int, default=None,
+                        help="blocks demoted per demotion run (default 64; --quick 12)")
+    parser.add_argument("--demotion-host-blocks", type=int, default=8,
+                        help="host tier of the demotion runs, in blocks (default 8)")
+    parser.add_argument("--zipf-docs", type=int, default=None,
+                        help="documents of the Zipf workload (default 64; --quick 24)")
+    parser.add_argument("--zipf-doc-blocks", type=int, default=4, help="blocks per document (default 4)")
+    parser.add_argument("--zipf-requests", type=int, default=None, help="requests (default 1000; --quick 120)")
+    parser.add_argument("--zipf-s", type=float, default=1.0, help="Zipf exponent (default 1.0)")
+    parser.add_argument("--zipf-host-blocks", type=int, default=None,
+                        help="host tier of the Zipf runs, in blocks (default 16; --quick 4)")
+    parser.add_argument("--store-block-tokens", type=int, default=16,
+                        help="tokens per block of the demotion and Zipf parts (default 16)")
+    parser.add_argument("--prefill-tokens-per-s", type=float, default=10000.0,
+                        help="modeled prefill speed for the Zipf TTFT (default 10000)")
 
 
 @dataclass(slots=True)
@@ -227,19 +283,235 @@ def _measure_model(name: str, cfg: ModelConfig, work: Path, args: argparse.Names
         engine.close()
 
 
+# --- the store parts: demotion throughput and a Zipf workload, raw vs int8 below host ----------
+
+
+Block = tuple[bytes, bytes, bytes]
+"""A raw block record of the store parts: (chain hash, header, payload)."""
+
+
+def _kv(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """Canonical ``[L, 2, H, T, D]`` bfloat16 KV-like values: Gaussian K with four channels x8
+    (KIVI's outliers), V with log-normal per-token scales (as kvtier.bench.codecs.synthetic_kv,
+    which imports this module)."""
+    L, _, H, T, D = shape
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(L, H, T, D, generator=gen)
+    k[..., sorted({c % D for c in (3, 17, 64, 100)})] *= 8.0
+    v = torch.randn(L, H, T, D, generator=gen) * torch.exp(0.5 * torch.randn(L, H, T, 1, generator=gen))
+    return torch.stack([k, v], 1).to(torch.bfloat16)
+
+
+def _records(shape: tuple[int, ...], docs: int, blocks: int, seed: int, tag: bytes) -> list[list[Block]]:
+    """``docs`` chains of ``blocks`` raw bfloat16 block records of canonical ``shape``. KV-like
+    values (:func:`_kv`: outlier K channels, log-normal V scales); eight distinct tensors, whose
+    payloads the blocks share (the codec's cost does not depend on which), each block with its
+    own header (chain and parent hash)."""
+    templates = []
+    for i in range(8):
+        record = encode_block(_kv(shape, seed + i), ns_id=NS_ID,
+                              chain_hash=bytes(32), parent_hash=None, layout="canonical", codec="raw")
+        head, payload = split_record(record)
+        templates.append((head, bytes(payload)))
+    out = []
+    for d in range(docs):
+        chain: list[Block] = []
+        parent = None
+        for b in range(blocks):
+            h = hashlib.sha256(tag + d.to_bytes(4, "little") + b.to_bytes(4, "little")).digest()
+            head, payload = templates[(d * blocks + b) % len(templates)]
+            chain.append((h, encode_header(dataclasses.replace(head, chain_hash=h, parent_hash=parent)), payload))
+            parent = h
+        out.append(chain)
+    return out
+
+
+def _store_config(work: Path, codec: str, host_bytes: int, disk_bytes: int) -> StoreConfig:
+    """A store with ``host_bytes`` of host memory and ``disk_bytes`` of disk under ``work``, raw
+    records re-encoded with ``codec`` on their way to disk. No commit scrub: both runs skip it."""
+    return StoreConfig(host_bytes=host_bytes, host_segment_bytes=host_bytes,
+                       host_name_prefix=f"kvtier-bench-precision-{os.getpid()}", host_prefault=False,
+                       host_pin=False, disk_path=str(work), disk_bytes=disk_bytes, disk_codec=codec,
+                       scrub_commits=False)
+
+
+async def _put(store: TieredStore, blocks: Sequence[Block]) -> None:
+    """reserve, copy each payload into its host slot, commit (the client's put, without sockets)."""
+    res = await store.reserve(NS_ID, [h for h, _, _ in blocks], [len(p) for _, _, p in blocks])
+    assert store.host is not None, "the bench's stores have a host tier"
+    for (_, _, payload), slot in zip(blocks, res.slots):
+        if slot is not None:
+            store.host.view(slot)[:] = payload
+    if res.lease_id:
+        await store.commit(res.lease_id, [hd for _, hd, _ in blocks])
+
+
+def _disk_tokens_per_gib(store: TieredStore, block_tokens: int) -> float:
+    """Tokens the disk tier holds per GiB it is charged (headers and file alignment included)."""
+    disk = store.gauges().tiers[Tier.DISK]
+    return disk.blocks * block_tokens * 2**30 / disk.used_bytes if disk.used_bytes else math.nan
+
+
+@dataclass(slots=True)
+class Demotion:
+    """One demotion fill: MiB/s of host blocks demoted, and the disk's tokens per GiB after it."""
+
+    mib_s: float
+    tokens_per_gib: float
+
+
+async def _demotion_once(work: Path, codec: str, blocks: list[Block], hold: int,
+                         block_tokens: int) -> Demotion:
+    """Fill a store whose host tier holds ``hold`` blocks with ``blocks``: the puts after the
+    first ``hold`` each evict (demote) as many blocks to disk. Timed from the first evicting put."""
+    size = len(blocks[0][2])
+    shutil.rmtree(work, ignore_errors=True)
+    cfg = _store_config(work, codec, hold * size, 2 * len(blocks) * size + (64 << 20))
+    async with TieredStore(cfg) as store:
+        for i in range(0, hold, DEMOTION_BATCH):
+            await _put(store, blocks[i:min(hold, i + DEMOTION_BATCH)])
+        before = store.counters.tiers[Tier.HOST].bytes_out
+        start = time.perf_counter()
+        for i in range(hold, len(blocks), DEMOTION_BATCH):
+            await _put(store, blocks[i:i + DEMOTION_BATCH])
+        seconds = time.perf_counter() - start
+        demoted = store.counters.tiers[Tier.HOST].bytes_out - before
+        assert store.gauges().tiers[Tier.DISK].blocks > 0, "the fill demoted blocks to disk"
+        return Demotion(demoted / seconds / 2**20, _disk_tokens_per_gib(store, block_tokens))
+
+
+def _demotion_rows(loop: asyncio.AbstractEventLoop, work: Path, args: argparse.Namespace, reps: int) -> list[Row]:
+    bt = args.store_block_tokens
+    shape = (4, 2, 2, bt, 64) if args.quick else (32, 2, 8, bt, 128)
+    count = args.demotion_blocks or (12 if args.quick else 64)
+    hold = args.demotion_host_blocks
+    blocks = _records(shape, 1, hold + count, args.seed, b"demotion")[0]
+    size = len(blocks[0][2])
+    progress(f"precision: demotion of {count} blocks of {size / 2**20:.3g} MiB, host {hold} blocks, raw vs int8")
+    runs: dict[str, list[Demotion]] = {"raw": [], "int8": []}
+
+    def once(codec: str) -> float:
+        got = loop.run_until_complete(_demotion_once(work / codec, codec, blocks, hold, bt))
+        runs[codec].append(got)
+        return got.mib_s
+
+    alternate(lambda: once("int8"), lambda: once("raw"), repetitions=reps)
+    case = f"demotion {size / 2**20:.3g} MiB blocks"
+    raw_tpg = Samples([r.tokens_per_gib for r in runs["raw"]]).median
+    tpg = Samples([r.tokens_per_gib for r in runs["int8"]]).median
+    # alternate()'s warm-up run of each is left out of the throughput
+    return [throughput_row(case, "demotion throughput int8", "MiB/s", Samples([r.mib_s for r in runs["int8"][1:]]),
+                           "raw demotion", Samples([r.mib_s for r in runs["raw"][1:]])),
+            Row(case, "tokens per GiB of disk int8", "tokens", tpg, "raw", raw_tpg, tpg / raw_tpg)]
+
+
+@dataclass(slots=True)
+class ZipfRun:
+    """One Zipf run: tokens requested and served from the store, per-request TTFT (ms), and the
+    disk's tokens per GiB at the end."""
+
+    requested: int
+    hit: int
+    ttft_ms: list[float]
+    tokens_per_gib: float
+
+
+def zipf_sequence(docs: int, requests: int, s: float, seed: int) -> list[int]:
+    """``requests`` document indices, document k drawn with weight 1 / (k + 1)^s (seeded)."""
+    rng = random.Random(seed)
+    return rng.choices(range(docs), weights=[1.0 / (k + 1) ** s for k in range(docs)], k=requests)
+
+
+async def _zipf_once(work: Path, codec: str, docs: list[list[Block]], order: list[int],
+                     host_blocks: int, disk_bytes: int, block_tokens: int, prefill_tps: float) -> ZipfRun:
+    """The requests of ``order`` (document indices) against a fresh store with ``codec`` below
+    host: load the stored prefix of each (acquire, decode every block, release), then put the
+    blocks it lacked. TTFT = the load, measured, plus the missing tokens' modeled prefill."""
+    size = len(docs[0][0][2])
+    shutil.rmtree(work, ignore_errors=True)
+    run = ZipfRun(0, 0, [], math.nan)
+    async with TieredStore(_store_config(work, codec, host_blocks * size, disk_bytes)) as store:
+        assert store.host is not None, "the bench's stores have a host tier"
+        for d in order:
+            chain = docs[d]
+            start = time.perf_counter()
+            acq = await store.acquire(NS_ID, [h for h, _, _ in chain])
+            try:
+                for block in acq.blocks:  # loaded as an engine loads it: the record decoded to bfloat16
+                    record = b"".join([block.header, store.host.view(block.slot)[:block.slot.length]])
+                    decode_block(record, verify=False)  # the store verified it
+            finally:
+                if acq.lease_id:
+                    store.release(acq.lease_id)
+            missing = len(chain) - len(acq.blocks)
+            run.ttft_ms.append((time.perf_counter() - start + missing * block_tokens / prefill_tps) * 1e3)
+            run.requested += len(chain) * block_tokens
+            run.hit += len(acq.blocks) * block_tokens
+            if missing:  # the engine computed them: saved for the next request
+                await _put(store, chain[len(acq.blocks):])
+        run.tokens_per_gib = _disk_tokens_per_gib(store, block_tokens)
+    return run
+
+
+def _zipf_rows(loop: asyncio.AbstractEventLoop, work: Path, args: argparse.Namespace) -> list[Row]:
+    bt = args.store_block_tokens
+    shape = (2, 2, 2, bt, 64) if args.quick else (32, 2, 8, bt, 128)
+    ndocs = args.zipf_docs or (24 if args.quick else 64)
+    nreq = args.zipf_requests or (120 if args.quick else 1000)
+    host_blocks = args.zipf_host_blocks or (4 if args.quick else 16)
+    docs = _records(shape, ndocs, args.zipf_doc_blocks, args.seed, b"zipf")
+    size = len(docs[0][0][2])
+    total = ndocs * args.zipf_doc_blocks * size
+    # Host and disk together hold about half the documents' raw bytes: the tiers decide the hit rate.
+    disk_bytes = max(total // 2 - host_blocks * size, 4 * (size + 8192))
+    order = zipf_sequence(ndocs, nreq, args.zipf_s, args.seed)
+    progress(f"precision: zipf s={args.zipf_s:g}: {nreq} requests over {ndocs} documents of "
+             f"{args.zipf_doc_blocks} x {size / 2**10:.0f} KiB blocks ({total / 2**20:.0f} MiB), host "
+             f"{host_blocks} blocks, disk {disk_bytes / 2**20:.0f} MiB, raw vs int8")
+    runs = {codec: loop.run_until_complete(_zipf_once(work / codec, codec, docs, order, host_blocks, disk_bytes, bt,
+                                                      args.prefill_tokens_per_s))
+            for codec in ("raw", "int8")}
+    raw, lossy = runs["raw"], runs["int8"]
+    case = f"zipf s={args.zipf_s:g} {ndocs}x{args.zipf_doc_blocks} blocks"
+    hit, raw_hit = 100.0 * lossy.hit / lossy.requested, 100.0 * raw.hit / raw.requested
+    return [Row(case, "hit rate int8", "%", hit, "raw", raw_hit, hit / raw_hit if raw_hit else math.inf),
+            latency_row(case, "mean TTFT int8", "ms", Samples([sum(lossy.ttft_ms) / len(lossy.ttft_ms)]), "raw",
+                        Samples([sum(raw.ttft_ms) / len(raw.ttft_ms)])),
+            Row(case, "tokens per GiB of disk int8", "tokens", lossy.tokens_per_gib, "raw", raw.tokens_per_gib,
+                lossy.tokens_per_gib / raw.tokens_per_gib)]
+
+
+def _store_rows(args: argparse.Namespace, parts: list[str], work: Path, result: SuiteResult) -> None:
+    reps = args.repetitions or (1 if args.quick else 5)
+    loop = asyncio.new_event_loop()
+    try:
+        if "demotion" in parts:
+            result.rows.extend(_demotion_rows(loop, work / "demotion", args, reps))
+        if "zipf" in parts:
+            result.rows.extend(_zipf_rows(loop, work / "zipf", args))
+    finally:
+        loop.close()
+
+
 def run(args: argparse.Namespace) -> SuiteResult:
     chains = [c.strip() for c in args.chains.split(",") if c.strip()]
     for c in chains:
         if c not in CHAINS:
             raise SystemExit(f"unknown chain {c!r}; choose from {', '.join(CHAINS)}")
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    for p in parts:
+        if p not in PARTS:
+            raise SystemExit(f"unknown part {p!r}; choose from {', '.join(PARTS)}")
     result = SuiteResult("precision")
     work = Path(tempfile.mkdtemp(prefix="kvtier-bench-precision-", dir="/tmp"))
     try:
-        for name, cfg in models(bool(args.quick)).items():
-            _measure_model(name, cfg, work, args, chains, result)
+        if "quality" in parts:
+            for name, cfg in models(bool(args.quick)).items():
+                _measure_model(name, cfg, work, args, chains, result)
+        _store_rows(args, parts, work, result)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return result
 
 
-__all__ = ["CHAINS", "DESCRIPTION", "PrefixKV", "add_arguments", "models", "run"]
+__all__ = ["CHAINS", "DESCRIPTION", "PARTS", "PrefixKV", "add_arguments", "models", "run", "zipf_sequence"]

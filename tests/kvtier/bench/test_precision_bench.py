@@ -1,4 +1,4 @@
-"""`kvtier bench precision --quick` runs, writes the JSON form, and its raw chain is exact."""
+"""`kvtier bench precision --quick --parts quality` runs, writes the JSON form, and its raw chain is exact."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from kvtier.cli import main
 def test_bench_precision_quick_writes_json(tmp_path: Path) -> None:
     out = tmp_path / "precision.json"
     assert main(["bench", "precision", "--quick", "--tokens", "6", "--prefix-blocks", "2",
-                 "--chains", "raw,raw>int8,int4", "--json", str(out)]) == 0
+                 "--chains", "raw,raw>int8,int4", "--parts", "quality", "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert doc["suite"] == "precision"
     keys = {"case", "metric", "unit", "kvtier", "baseline_name", "baseline", "ratio",

@@ -96,6 +96,10 @@ TIER_COUNTERS: tuple[Exported, ...] = (
     Exported("bytes_out", "kvtier_tier_read_bytes", "Bytes read out of this tier."),
     Exported("evictions", "kvtier_tier_evictions", "Blocks evicted from this tier to make room."),
     Exported("demotions", "kvtier_tier_demotions", "Blocks evicted from this tier and copied down."),
+    Exported("recoded", "kvtier_tier_recoded_blocks", "Blocks re-encoded into this tier's lossy codec on their way in."),
+    Exported("recoded_saved_bytes", "kvtier_tier_recoded_saved_bytes",
+             "Payload bytes the re-encodings into this tier saved (raw minus stored)."),
+    Exported("recode_seconds", "kvtier_tier_recode_seconds", "CPU seconds spent re-encoding blocks for this tier."),
 )
 """Per-tier counters of ``TierCounters``, labelled ``tier``."""
 

@@ -34,7 +34,8 @@ def remote_view(link: RemoteLink) -> dict[str, Any]:
                 "uploads_queued": lc.uploads_queued, "uploaded": lc.uploaded, "upload_drops": lc.upload_drops,
                 "upload_drop_bytes": lc.upload_drop_bytes, "upload_failures": lc.upload_failures,
                 "queue_bytes": lc.queue_bytes, "queue_blocks": lc.queue_blocks,
-                "namespaces_fetched": lc.namespaces_fetched, "namespaces_uploaded": lc.namespaces_uploaded})
+                "namespaces_fetched": lc.namespaces_fetched, "namespaces_uploaded": lc.namespaces_uploaded,
+                "codec": link.options.codec, "recoded": lc.recoded, "recoded_saved_bytes": lc.recoded_saved_bytes})
     return out
 
 
@@ -54,6 +55,7 @@ REMOTE_METRIC_NAMES: tuple[str, ...] = (
     "kvtier_remote_skipped_calls_total", "kvtier_remote_lookup_keys_total", "kvtier_remote_lookup_hit_keys_total",
     "kvtier_remote_fetched_blocks_total", "kvtier_remote_uploads_queued_total", "kvtier_remote_uploaded_blocks_total",
     "kvtier_remote_upload_drops_total", "kvtier_remote_upload_drop_bytes_total", "kvtier_remote_upload_failures_total",
+    "kvtier_remote_recoded_blocks_total", "kvtier_remote_recoded_saved_bytes_total",
     "kvtier_remote_errors_total", "kvtier_remote_bad_values_total", "kvtier_remote_breaker_state",
     "kvtier_remote_upload_queue_bytes", "kvtier_remote_upload_queue_blocks", "kvtier_remote_fetch_seconds_bucket",
     "kvtier_remote_fetch_seconds_count", "kvtier_remote_fetch_seconds_sum")
@@ -78,6 +80,8 @@ _LINK_COUNTERS = (
     ("upload_drop_bytes", "kvtier_remote_upload_drop_bytes", "Payload bytes of the dropped uploads."),
     ("upload_failures", "kvtier_remote_upload_failures", "Uploads not acknowledged or whose host copy failed "
      "its checksum."),
+    ("recoded", "kvtier_remote_recoded_blocks", "Records re-encoded with the remote tier's lossy codec for upload."),
+    ("recoded_saved_bytes", "kvtier_remote_recoded_saved_bytes", "Payload bytes those re-encodings saved."),
 )
 
 

@@ -25,8 +25,10 @@ Promotion into host (the get path) is in :mod:`kvtier.daemon.store.reads`.
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import logging
+import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -78,6 +80,7 @@ class Mover:
         self.events = events
         self.admission = admission
         self.pool = pool
+        self._recode_cpu: collections.deque[float] = collections.deque()  # see _recode_timed
         self.zombies: set[BlockMeta] = set()  # removed while leased: freed at their last release
         self.remote: RemoteLink | None = None  # the remote tier (RemoteLink.attach sets it)
         if cfg.disk_codec != "raw" and disk is not None:
@@ -410,6 +413,7 @@ class Mover:
         finally:
             if pending is not None:  # still encoding (an error, a cancellation): its buffers go back after
                 pending.add_done_callback(self._give_back_recoded)
+            self._count_recode_time()
         return written
 
     def _recode_soon(self, items: list[tuple[bytes, memoryview, int, int]],
@@ -417,7 +421,21 @@ class Mover:
         """:func:`recode_verified` of ``items`` submitted to the I/O pool (a future of the pool's,
         not the loop's: :meth:`_give_back_recoded` can follow it even after a cancellation)."""
         assert self.disk is not None, "demotion to disk needs a disk tier"
-        return self.pool.submit(recode_verified, items, self.cfg.disk_codec, compression, self.disk.buffers)
+        return self.pool.submit(self._recode_timed, items, self.cfg.disk_codec, compression, self.disk.buffers)
+
+    def _recode_timed(self, *args: Any) -> list[Recoded | None]:
+        """:func:`recode_verified` on a pool thread, its CPU time noted for the loop to count
+        (:meth:`_count_recode_time`): a deque's append is atomic, a float's += is not."""
+        start = time.thread_time()
+        try:
+            return recode_verified(*args)
+        finally:
+            self._recode_cpu.append(time.thread_time() - start)
+
+    def _count_recode_time(self) -> None:
+        cpu, tier = self._recode_cpu, self.counters.tiers[Tier.DISK]
+        while cpu:
+            tier.recode_seconds += cpu.popleft()
 
     def _give_back_recoded(self, fut: Future[list[Recoded | None]]) -> None:
         """Return the buffers of a re-encoded chunk that will never be written (any thread)."""
@@ -470,6 +488,9 @@ class Mover:
         self.host.free(slot)
         if meta.committed:
             self.emit(EventKind.REMOVED, Tier.HOST, meta)
+        disk = self.counters.tiers[Tier.DISK]
+        disk.recoded += 1
+        disk.recoded_saved_bytes += meta.size - rec.size
         self.index.reencode(meta, rec.header, rec.size, rec.checksum)
         self._placed_on_disk([meta], announce=True)
 

@@ -28,6 +28,9 @@ class TierCounters:
     bytes_out: int = 0  # bytes read out of the tier (served to clients, moved down, read from disk)
     evictions: int = 0  # blocks removed from this tier to make room
     demotions: int = 0  # evicted blocks copied down into the next tier (GPU -> host, host -> disk)
+    recoded: int = 0  # blocks re-encoded into this tier's lossy codec on their way in (store.disk_codec)
+    recoded_saved_bytes: int = 0  # payload bytes those re-encodings saved (raw minus stored)
+    recode_seconds: float = 0.0  # CPU seconds of the I/O pool's threads spent re-encoding for this tier
 
     def minus(self, other: TierCounters) -> TierCounters:
         """Field-wise ``self - other``."""

@@ -104,6 +104,10 @@ async def test_raw_to_int8_on_demotion_decodes_within_the_codec_error_and_keeps_
         assert await put(store, [r]) == [True]
     demoted = [i for i, tiers in enumerate(block_ids(store, recs)) if tiers == [Tier.DISK]]
     assert len(demoted) >= 7 and demoted == list(range(len(demoted))), block_ids(store, recs)  # the oldest
+    disk = store.counters.tiers[Tier.DISK]  # what the metrics export (kvtier_tier_recoded_*)
+    assert disk.recoded == len(demoted) and disk.recode_seconds > 0
+    assert disk.recoded_saved_bytes == sum(
+        size - decode_header(store.disk.get(make_key(ns_id, recs[i].chain_hash)))[0].payload_len for i in demoted)
 
     for i in demoted:
         record = store.disk.get(make_key(ns_id, recs[i].chain_hash))
@@ -161,6 +165,7 @@ async def test_the_default_disk_codec_writes_records_as_they_are(open_store):
         await put(store, [r])
     for r in recs[:3]:
         assert store.disk.get(make_key(NS, r.chain_hash)) == r.header + r.payload
+    assert store.counters.tiers[Tier.DISK].recoded == 0
     for r in recs:  # one at a time: two fit in host
         assert await get(store, NS, [r.chain_hash]) == [(r.header, r.payload)]
 

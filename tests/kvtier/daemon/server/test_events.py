@@ -233,8 +233,9 @@ async def test_sub_receives_vllm_map_batches_with_seq_from_zero(store, hubs, zct
     hub = started(hubs, events_config(), metrics=metrics)
     assert hub.endpoints[0].startswith("tcp://127.0.0.1:") and "*" not in hub.endpoints[0]
     sub = subscriber(zctx, hub)
-    probes = hub.zmq_stats.batches_sent  # seqs 0 .. probes - 1 (checked by joined)
-    assert metrics.published == probes
+    probes = metrics.published  # the probe batches joined() published: seqs 0 .. probes - 1
+    # The sender thread counts a batch after handing it to ZMQ, so the SUB may see it first.
+    wait_until(lambda: hub.zmq_stats.batches_sent == probes, what="the sender counting every probe it sent")
     _, units, keys = await put_prompt(store, hub, 2)
     assert pump(store, hub) == 1  # two blocks of one chain in one medium: one BlockStored run
     await store.delete(NS.ns_id, [keys[1]])
@@ -724,6 +725,7 @@ async def test_packed_endpoint_carries_the_same_batches_with_token_ids_packed(st
         assert [(type(e), e.block_hashes, list(getattr(e, "token_ids", ()))) for e in vllm.events] == \
             [(type(e), e.block_hashes, list(getattr(e, "token_ids", ()))) for e in ours.events]
     assert decode_batch(packed[0][2], packed=True).events[0].block_hashes == tuple(event_hash(u) for u in units)
+    hub.close()  # the sender threads have counted every batch they sent (they count after the send)
     assert hub.zmq_stats.batches_sent == hub.packed_stats.batches_sent
 
 

@@ -1,4 +1,5 @@
-"""Fixtures of the client tests: a toy data-plane peer (peer.py) in a short temporary directory."""
+"""Fixtures of the client tests: a toy data-plane peer (peer.py) in a short temporary directory, and
+a real ``kvtier serve`` per test module (daemonkit.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from tests.kvtier.client.daemonkit import Daemon
 from tests.kvtier.client.peer import Peer
 
 
@@ -38,3 +40,15 @@ def make_peer(short_dir: str) -> Iterator[Callable[..., Peer]]:
 def peer(make_peer: Callable[..., Peer]) -> Peer:
     """A started peer without a token."""
     return make_peer()
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[Daemon]:
+    """A real daemon (its defaults, unix socket and TCP) shared by a test module's tests."""
+    directory = tempfile.mkdtemp(prefix="kvd-", dir="/tmp")
+    d = Daemon(directory).start()
+    try:
+        yield d
+    finally:
+        d.stop()
+        shutil.rmtree(directory, ignore_errors=True)

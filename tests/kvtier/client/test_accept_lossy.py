@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import shutil
 import tempfile
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -20,16 +19,6 @@ from kvtier_protocol.header import decode_header, split_record
 from tests.kvtier.client.clientkit import NS_ID, key
 from tests.kvtier.client.daemonkit import Daemon
 
-
-@pytest.fixture(scope="module")
-def daemon() -> Iterator[Daemon]:
-    directory = tempfile.mkdtemp(prefix="kvd-", dir="/tmp")
-    d = Daemon(directory).start()
-    try:
-        yield d
-    finally:
-        d.stop()
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 def chain(tag: bytes, codecs: list[str]) -> list[tuple[bytes, bytes]]:

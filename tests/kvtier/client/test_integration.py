@@ -11,7 +11,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -71,16 +70,6 @@ print("copied", flush=True)
 threading.Event().wait()  # hangs until the test kills it
 """
 
-
-@pytest.fixture(scope="module")
-def daemon() -> Iterator[Daemon]:
-    directory = tempfile.mkdtemp(prefix="kvd-", dir="/tmp")
-    d = Daemon(directory).start()
-    try:
-        yield d
-    finally:
-        d.stop()
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 def run_python(code: str, *args: str) -> subprocess.Popen:

@@ -50,7 +50,13 @@ def test_quick_lookup_bench_writes_every_row(short_dir: Path, tmp_path: Path) ->
     ]
     for row in doc["rows"]:
         assert set(row) == names
-        assert math.isfinite(row["kvtier"]) and row["kvtier"] > 0 and row["baseline"] > 0
+        assert math.isfinite(row["kvtier"]) and row["baseline"] > 0
+        if "RSS delta" in row["case"]:
+            # At quick sizes the build can fit in heap pages that earlier phases freed: the delta
+            # counts only new pages, so 0 is a true reading (a lower bound), not a broken row.
+            assert row["kvtier"] >= 0
+            continue
+        assert row["kvtier"] > 0
         if row["unit"] == "Mkeys/s":  # throughput: kvtier / baseline
             assert row["ratio"] == pytest.approx(row["kvtier"] / row["baseline"])
         else:  # ms and bytes: lower is better, baseline / kvtier

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 from kvtier_protocol.errors import FrameError, InvalidRequest, LimitExceeded
 from kvtier_protocol.frame_codec import Limits, Payload
 from kvtier_protocol.wire_checks import (CHECKERS, DEFAULT_LEASE_MS, MAX_HASH_LEN, MIN_HASH_LEN,
-                                         array, binary, to_wire, uint)
+                                         array, binary, text, to_wire, uint)
 
 MAX_TOKEN_ID = (1 << 63) - 1
 """Largest token id ``tokens`` accepts (engines keep token ids in int32/int64)."""
@@ -146,8 +146,15 @@ def boolean(name: str, value: Any, limits: Limits) -> bool:
     return value
 
 
+def decoded_codecs(name: str, value: Any, limits: Limits) -> tuple[str | None, ...]:
+    """Per key of a get response, the codec of the stored copy the daemon decoded (a text of at
+    most MAX_TEXT_LEN characters: codecs newer than this reader are kept as names), or nil."""
+    return tuple(None if v is None else text(name, v, limits) for v in array(name, value, limits))
+
+
 # Registered with the other checkers so that a key name keeps one meaning in every message.
-CHECKERS.update(tokens=token_lists, unit_hashes=unit_hash_lists, accept_lossy=boolean)
+CHECKERS.update(tokens=token_lists, unit_hashes=unit_hash_lists, accept_lossy=boolean, decode=boolean,
+                decoded=decoded_codecs)
 
 
 def check_token_info(op: str, num_keys: int, tokens: tuple[tuple[int, ...] | None, ...] | None,
@@ -300,6 +307,10 @@ class GetRequest(Message):
     ns_id: bytes
     hashes: tuple[bytes, ...]
     accept_lossy: bool | None = None  # as in LookupRequest
+    # Optional (SPEC 7.4 get, issue 25): true asks the daemon to return each lossy or compressed
+    # stored record decoded into a raw record of its dtype (the response's ``decoded`` says which).
+    # Absent (None) is false: the records as stored, the frame every daemon before the key reads.
+    decode: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)

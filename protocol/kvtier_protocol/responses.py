@@ -121,6 +121,10 @@ class GetResponse(Message):
     IS_RESPONSE: ClassVar[bool] = True
     id: int
     lens: tuple[int | None, ...]
+    # Optional (SPEC 7.4 get): per key, the codec of the stored copy this record was decoded from
+    # at the request's ``decode`` (``"raw"``: it was only compressed, exact; any other: lossy in
+    # value), nil where the record is sent as stored or missing. Absent: no record was decoded.
+    decoded: tuple[str | None, ...] | None = None
     payload: Payload = field(default=b"", kw_only=True)
 
     def frame_payload(self) -> Payload | None:
@@ -134,6 +138,10 @@ class GetResponse(Message):
         total = sum(n or 0 for n in self.lens)
         if total != payload_len(self.payload):
             raise FrameError(f"get: lens sum to {total}, payload is {payload_len(self.payload)}")
+        if self.decoded is not None:
+            same_len(self.OP, lens=self.lens, decoded=self.decoded)
+            if any(d is not None and n is None for d, n in zip(self.decoded, self.lens)):
+                raise InvalidRequest("get: decoded is nil where lens is nil")
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,10 +12,13 @@ descriptor passing, in-flight limits) are :mod:`kvtier.daemon.server.connection`
                store.place ─► note token info
     put     ─► check records ─► reserve ─► copy payloads into host slots ─► commit   (all or nothing)
     get     ─► acquire ─► header + slot view of each block, sent as they are ─► release once sent
+            (decode: true: lossy/compressed ones decoded into raw records on a worker thread,
+             kvtier.daemon.server.get_decode; the others sent as they are)
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -31,6 +34,7 @@ from kvtier_protocol.header import decode_header
 from kvtier_protocol.namespace import Namespace
 
 from kvtier_protocol.buffers import PayloadBuffers
+from kvtier.daemon.server import get_decode
 from kvtier.daemon.server.events import BlockTokens
 from kvtier.daemon.server.inline import check_records, copy_checked, record_views, run_sized
 from kvtier.daemon.server.remote_views import remote_view
@@ -39,6 +43,7 @@ from kvtier.daemon.store.types import Slot
 
 if TYPE_CHECKING:
     from kvtier.daemon.server.context import DaemonContext, Scope
+    from kvtier.daemon.store.results import Acquired
     from kvtier.daemon.store.store import TieredStore
 
 log = logging.getLogger(__name__)
@@ -272,6 +277,8 @@ class RequestHandler:
     async def _get(self, req: fr.GetRequest, session: Session) -> fr.Message:
         store = self.scope(session).store
         got = await store.acquire(req.ns_id, req.hashes, accept_lossy=req.accept_lossy)
+        if req.decode and got.blocks:
+            return await self._get_decoded(req, session, store, got)
         try:
             budget = self.limits.max_payload_len
             todo: list[tuple[bytes, memoryview]] = []
@@ -288,6 +295,31 @@ class RequestHandler:
                 store.release(got.lease_id)
             raise
         if got.lease_id:  # the payload is sent from the slots: the lease holds until it has left
+            session.after_send[id(response)] = partial(store.release, got.lease_id)
+        return response
+
+    async def _get_decoded(self, req: fr.GetRequest, session: Session, store: TieredStore,
+                           got: Acquired) -> fr.Message:
+        """A get with ``decode: true`` (SPEC §7.4): lossy or compressed records decoded into raw
+        ones on a worker thread (kvtier.daemon.server.get_decode), the others sent from their
+        slots; the response's ``decoded`` names the stored codec of each decoded record."""
+        try:
+            budget = self.limits.max_payload_len
+            planned = get_decode.plan([(b.header, store.host.view(b.slot)) for b in got.blocks], budget)
+            if any(p.codec is not None for p in planned):
+                decoded = await asyncio.to_thread(get_decode.decode_planned, planned, budget)
+            else:
+                decoded = []
+            payload, lens, codecs = get_decode.finish(planned, decoded, budget)
+            response = fr.GetResponse(req.id, tuple(lens) + (None,) * (len(req.hashes) - len(lens)),
+                                      decoded=(tuple(codecs) + (None,) * (len(req.hashes) - len(codecs))
+                                               if any(c is not None for c in codecs) else None),
+                                      payload=payload)
+        except BaseException:
+            if got.lease_id:
+                store.release(got.lease_id)
+            raise
+        if got.lease_id:  # records sent as stored go from their slots: the lease holds until sent
             session.after_send[id(response)] = partial(store.release, got.lease_id)
         return response
 

@@ -37,6 +37,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from itertools import chain
 
 from kvtier_protocol.errors import KVTierError
 from kvtier_protocol.events import (BlockRemoved, BlockStored, event_to_wire, pack_token_ids, removed_wire,
@@ -53,11 +54,9 @@ GROUP_IDX = 0  # kvtier stores one KV-cache group per namespace
 MAX_RUN_TOKENS = 1 << 16  # a merged event stays far below the receivers' 2**20-entry array limit
 MAX_RUN_HASHES = 1 << 14
 _MEDIUM = {t: t.medium for t in Tier}  # one dict lookup per event instead of two properties
-_FULL, _PLACEHOLDER, _REMOVED = 0, 1, 2  # what _step made of a store event
+_FULL, _PLACEHOLDER, _REMOVED = 0, 1, 2  # what translate_runs makes of a store event
 _STORED = EventKind.STORED
 _LITTLE = sys.byteorder == "little"
-_Step = tuple[int, Sequence[int], int | None, array | None, int, str | None]
-"""What _step made of a store event: (what, hashes, parent u64, tokens, block_size, kv_cache_spec_kind)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,20 +129,27 @@ def _tails(digest_len: int, count: int) -> struct.Struct:
 
 
 def _units_u64(units: Sequence[bytes]) -> array | None:
-    """The u64 event form of unit digests; None: one is not a digest (bytes, >= 8 long)."""
-    if len(units) == 1:
-        u = units[0]
-        if type(u) is bytes and len(u) >= 8:
-            return array("Q", (int.from_bytes(u[-8:], "big"),))
-    elif set(map(type, units)) == {bytes}:  # the usual case in C: equal-length digests
-        lengths = set(map(len, units))
-        if len(lengths) == 1 and (n := lengths.pop()) >= 8:
+    """The u64 event form of unit digests (the last 8 bytes of each, big-endian); None: one is
+    not a digest (bytes, >= 8 long).
+
+    Equal-length digests, the usual case, take C-level passes only: one join, one length check,
+    and for whole-word lengths one array whose every last word is byte-swapped, so no Python
+    int is made per digest. :meth:`EventTranslator.note_blocks` calls it once for a whole batch
+    of blocks (16 digests a block at 256-token blocks of 16-token units) and slices the result.
+    """
+    k = len(units)
+    if k:
+        try:
+            joined = b"".join(units)
+            n = len(units[0])
+            equal = len(joined) == n * k and min(map(len, units)) == n
+        except TypeError:  # not bytes: the per-digest pass below says None
+            equal = False
+        if equal and n >= 8:
             if n % 8:
-                return array("Q", _tails(n, len(units)).unpack(b"".join(units)))
-            # Every digest as n/8 u64s; keep each one's last, then make it big-endian: no
-            # Python int per digest (a 256-token block of 16-token units has 16 of them).
+                return array("Q", _tails(n, k).unpack(joined))
             words = array("Q")
-            words.frombytes(b"".join(units))
+            words.frombytes(joined)
             tails = words[n // 8 - 1::n // 8]
             if _LITTLE:
                 tails.byteswap()
@@ -210,6 +216,27 @@ def _translated(ev: StoreEvent, what: int, hashes: Sequence[int], parent: int | 
                                       kv_cache_spec_kind=kind))
 
 
+_Shape = tuple[Namespace | None, str, int, int, int]
+"""What translation reads of a namespace: (namespace, kv_cache_spec_kind, block_tokens, hash units
+per block, hash_tokens); -1 where nothing fits (unknown namespace)."""
+
+
+def _shape(ns: Namespace | None) -> _Shape:
+    if ns is None:
+        return None, "full_attention", -1, -1, 0
+    kind = "mla_attention" if ns.attention == "mla" else "full_attention"
+    bt, ht = ns.block_tokens, ns.hash_tokens
+    return ns, kind, bt, bt // ht if ht and bt % ht == 0 else -1, ht
+
+
+def _parent_u64(ev: StoreEvent) -> int | None:
+    """The event form of the committed parent of a full store (None for a prefix's first block)."""
+    p = ev.parent_hash
+    if p is None:
+        return None
+    return int.from_bytes(p[-8:], "big") if type(p) is bytes and len(p) >= 8 else event_hash(p)
+
+
 class EventTranslator:
     """Turns store events into per-block vLLM events, keeping token info in a bounded LRU.
 
@@ -234,8 +261,13 @@ class EventTranslator:
         Malformed entries are counted in :attr:`invalid_notes` and skipped: events about those
         blocks become placeholders, the store itself is unaffected.
         """
+        blocks = blocks if isinstance(blocks, (list, tuple)) else list(blocks)
+        # Every block's unit digests converted in one pass (one join, one array), sliced per
+        # block below; None (a digest that is not bytes of the common length): block by block.
+        all_u64 = _units_u64(list(chain.from_iterable([b.unit_hashes or () for b in blocks])))
         cache = self._cache
         held = self._tokens
+        at = 0  # where the next block's digests start in all_u64
         for b in blocks:
             try:  # the common case first: ids below 2**32
                 tokens: array | None = array("I", b.tokens)
@@ -243,9 +275,17 @@ class EventTranslator:
                 tokens = _tokens_array(b.tokens)
             chain_hash, units = b.chain_hash, b.unit_hashes
             u64 = None
-            if (not tokens or not isinstance(chain_hash, bytes) or len(chain_hash) < 8
-                    or (units and (units[-1] != chain_hash or len(tokens) % len(units)
-                                   or (u64 := _units_u64(units)) is None))):
+            if units:
+                k = len(units)
+                if all_u64 is not None:
+                    u64 = all_u64[at:at + k]
+                    at += k
+                else:
+                    u64 = _units_u64(units)
+                if u64 is None or units[-1] != chain_hash or (tokens and len(tokens) % k):
+                    u64 = None
+                    tokens = None  # refused below
+            if not tokens or not isinstance(chain_hash, bytes) or len(chain_hash) < 8:
                 self.invalid_notes += 1
                 continue
             key = ns_id + chain_hash  # make_key, inline: this loop runs ~10^5 times a second
@@ -299,21 +339,63 @@ class EventTranslator:
             per_block: when given, also gets one :class:`Translated` per store event (SSE).
         """
         out: list[Run] = []
-        step = self._step
+        cache = self._cache
+        cached, to_end = cache.get, cache.move_to_end
+        shapes: dict[bytes, _Shape] = {}  # each namespace's, read once per call
         run: Run | None = None
         r_what = -1  # no run open
         r_medium = r_kind = r_ns = r_last = None
         r_bs = r_nh = r_nt = 0
         for ev in events:
-            what, hashes, parent, tokens, block_size, kind = step(ev, namespaces)
+            # What the event publishes (and the token cache updated): what, hashes, tokens,
+            # block_size, kind; parent only where a run starts (or per block, for SSE).
+            ns_id, chain_hash = ev.ns_id, ev.chain_hash
+            key = ns_id + chain_hash  # make_key, inline: this loop runs ~10^5 times a second
+            info = cached(key)
+            tokens = None
+            block_size = 0
+            if ev.kind is _STORED:
+                shape = shapes.get(ns_id)
+                if shape is None:
+                    shape = shapes[ns_id] = _shape(namespaces.get(ns_id))
+                ns, kind, fit_tokens, fit_units, hash_tokens = shape
+                what = _PLACEHOLDER
+                if info is not None:
+                    to_end(key)
+                    info.tiers |= 1 << ev.tier
+                    units = info.units
+                    if units is not None and len(info.tokens) == fit_tokens and len(units) == fit_units:
+                        block_size = hash_tokens  # what _resolve returns for a note that fits
+                    else:
+                        block_size = self._resolve(ev, key, info, ns)
+                    if block_size:
+                        assert info.units is not None, "_resolve fills the unit hashes"
+                        what, hashes, tokens = _FULL, info.units, info.tokens
+                if not block_size:
+                    hashes = (event_hash(chain_hash),)
+            else:
+                what, kind = _REMOVED, None
+                if info is None:
+                    hashes = (event_hash(chain_hash),)
+                else:
+                    hashes = info.units if info.units is not None else (event_hash(chain_hash),)
+                    bit = 1 << ev.tier
+                    # A block we saw stored somewhere and that just left its last such tier is
+                    # gone; one that predates its note (a restart) ages out of the LRU instead.
+                    if info.tiers & bit:
+                        info.tiers &= ~bit
+                        if not info.tiers:
+                            del cache[key]  # _drop, inline
+                            self._tokens -= len(info.tokens)
             if per_block is not None:
-                per_block.append(_translated(ev, what, hashes, parent, tokens, block_size, kind))
+                per_block.append(_translated(ev, what, hashes, _parent_u64(ev) if tokens is not None else None,
+                                             tokens, block_size, kind))
             medium = _MEDIUM[ev.tier]
             nh = len(hashes)
             # Does the event extend the open run? One BlockStored covers one chain: a full store
             # must continue the run's prefix (checked on the digests, not on the u64s, which may
             # collide); placeholders and removals only list hashes.
-            if (what == r_what and medium == r_medium and ev.ns_id == r_ns and r_nh + nh <= MAX_RUN_HASHES
+            if (what == r_what and medium == r_medium and ns_id == r_ns and r_nh + nh <= MAX_RUN_HASHES
                     and (what == _REMOVED or (kind == r_kind and (what == _PLACEHOLDER or (
                         block_size == r_bs and ev.parent_hash == r_last
                         and r_nt + len(tokens) <= MAX_RUN_TOKENS))))):  # type: ignore[arg-type]
@@ -328,52 +410,15 @@ class EventTranslator:
                     r_nt += len(tokens)
                 r_nh += nh
             else:
-                r_what, r_medium, r_ns, r_kind, r_bs = what, medium, ev.ns_id, kind, block_size
-                # tokens[:] copies: the run's array grows, the cached one must not
-                run = Run(what, array("Q", hashes), parent, tokens[:] if tokens is not None else None, block_size,
-                          medium, kind)
+                r_what, r_medium, r_ns, r_kind, r_bs = what, medium, ns_id, kind, block_size
+                # copies ([:] of an array): the run's arrays grow, the cached ones must not
+                run = Run(what, hashes[:] if type(hashes) is array else array("Q", hashes),
+                          _parent_u64(ev) if tokens is not None else None,
+                          tokens[:] if tokens is not None else None, block_size, medium, kind)
                 out.append(run)
                 r_nh, r_nt = nh, len(tokens) if tokens is not None else 0
-            r_last = ev.chain_hash
+            r_last = chain_hash
         return out
-
-    def _step(self, ev: StoreEvent, namespaces: Mapping[bytes, Namespace]) -> _Step:
-        """Update the token cache for one store event and say what it publishes:
-        ``(what, hashes, parent u64, tokens, block_size, kv_cache_spec_kind)``."""
-        key = ev.ns_id + ev.chain_hash  # make_key, inline
-        cache = self._cache
-        info = cache.get(key)
-        if ev.kind is _STORED:
-            ns = namespaces.get(ev.ns_id)
-            kind = "mla_attention" if ns is not None and ns.attention == "mla" else "full_attention"
-            if info is not None:
-                cache.move_to_end(key)
-                info.tiers |= 1 << ev.tier
-                units = info.units
-                if (ns is not None and units is not None and len(info.tokens) == ns.block_tokens
-                        and len(units) * ns.hash_tokens == ns.block_tokens):
-                    block_size = ns.hash_tokens  # what _resolve returns for a note that fits
-                else:
-                    block_size = self._resolve(ev, key, info, ns)
-                if block_size:
-                    assert info.units is not None, "_resolve fills the unit hashes"
-                    p = ev.parent_hash
-                    parent = (None if p is None else int.from_bytes(p[-8:], "big")
-                              if type(p) is bytes and len(p) >= 8 else event_hash(p))
-                    return _FULL, info.units, parent, info.tokens, block_size, kind
-            return _PLACEHOLDER, (event_hash(ev.chain_hash),), None, None, 0, kind
-        if info is None:
-            return _REMOVED, (event_hash(ev.chain_hash),), None, None, 0, None
-        hashes = info.units if info.units is not None else (event_hash(ev.chain_hash),)
-        bit = 1 << ev.tier
-        # A block we saw stored somewhere and that just left its last such tier is gone; one
-        # that predates its note (a restart) ages out of the LRU instead.
-        if info.tiers & bit:
-            info.tiers &= ~bit
-            if not info.tiers:
-                del cache[key]  # _drop, inline
-                self._tokens -= len(info.tokens)
-        return _REMOVED, hashes, None, None, 0, None
 
     def _resolve(self, ev: StoreEvent, key: BlockKey, info: _TokenInfo, ns: Namespace | None) -> int:
         """Fill ``info.units`` and return the block size in tokens per hash; 0: unusable (the

@@ -16,7 +16,7 @@ from kvtier_protocol.codec_plan import CODECS
 from kvtier.daemon.config.values import (MIB, MIN_TOKEN_LEN, UNIX_PATH_MAX, ConfigError, hostport_option, positive,
                                          typed)
 from kvtier.daemon.remote.address import PREFIX, parse_cluster_url
-from kvtier.daemon.store.config import TIER_COMPRESSIONS
+from kvtier.daemon.store.config import K_AXES, TIER_COMPRESSIONS, CodecModels, StoreConfigError, check_codec_models
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,6 +208,12 @@ class RemoteConfig:
         compression: ``"lz4"``: byte-shuffle and LZ4 each section of a re-encoded record (SPEC.md
             §4.8; lossless); ``"none"`` (default). Applies only to the records ``codec`` re-encodes
             (TOML also ``[tiers.remote] compression``).
+        k_axis: what one K scale covers in the MHA records ``codec`` (or a ``models`` codec)
+            re-encodes with int8/int4/int2: ``"channel"`` (default) or ``"token"`` (TOML also
+            ``[tiers.remote] k_axis``); as ``StoreConfig.disk_k_axis`` (fp8 and MLA ignore it).
+        models: per-model exceptions to ``codec`` (TOML also ``[tiers.remote.models]``):
+            ``(pattern, codec)`` pairs, the first pattern matching a block's namespace model
+            deciding; as ``StoreConfig.disk_models``.
     """
 
     url: str | None = None
@@ -221,6 +227,8 @@ class RemoteConfig:
     key_prefix: str = "kvtier"
     codec: str = "raw"
     compression: str = "none"
+    k_axis: str = "channel"
+    models: CodecModels = ()
 
     def __repr__(self) -> str:  # the password stays in its file; its path alone is shown
         return (f"RemoteConfig(url={self.url!r}, user={self.user!r}, password_file={self.password_file!r}, "
@@ -247,6 +255,12 @@ class RemoteConfig:
             raise ConfigError(f"remote.codec must be one of {CODECS}, got {self.codec!r:.80}")
         if typed("remote.compression", self.compression, str) not in TIER_COMPRESSIONS:
             raise ConfigError(f"remote.compression must be one of {TIER_COMPRESSIONS}, got {self.compression!r:.80}")
+        if typed("remote.k_axis", self.k_axis, str) not in K_AXES:
+            raise ConfigError(f"remote.k_axis must be one of {K_AXES}, got {self.k_axis!r:.80}")
+        try:
+            object.__setattr__(self, "models", check_codec_models("remote.models", self.models))
+        except StoreConfigError as e:
+            raise ConfigError(e.message) from None
 
     @property
     def enabled(self) -> bool:

@@ -8,9 +8,10 @@ merges. Torch-free. Sources, highest precedence first::
 The TOML file has the sections ``[store]`` (the fields of :class:`~kvtier.daemon.store.config.StoreConfig`),
 ``[dataplane]``, ``[rest]``, ``[events]``, ``[auth]``, ``[remote]``, ``[daemon]`` (``data_dir``, ``log_level``,
 ``drain_timeout_s``), ``[tenants.<name>]`` (:mod:`kvtier.daemon.config.tenants`; file only) and
-``[tiers.disk]`` / ``[tiers.remote]`` (each tier's ``codec`` and ``compression``: file spellings of
-``store.disk_codec`` / ``store.disk_compression`` and ``remote.codec`` / ``remote.compression``,
-:data:`TIER_OPTIONS`);
+``[tiers.disk]`` / ``[tiers.remote]`` (each tier's ``codec``, ``compression``, ``k_axis`` and
+``models`` table: file spellings of ``store.disk_codec`` / ``store.disk_compression`` /
+``store.disk_k_axis`` / ``store.disk_models`` and ``remote.codec`` / ``remote.compression`` /
+``remote.k_axis`` / ``remote.models``, :data:`TIER_OPTIONS`);
 ``configs/kvtier.toml`` documents every option with its default. Unknown sections
 or keys are errors, so a typo never silently falls back to a default.
 
@@ -18,8 +19,9 @@ Environment: every option is ``KVTIER_<SECTION>__<KEY>`` (upper case, two unders
 ``KVTIER_STORE__WRITE_THROUGH=1``; the common ones also have the short names of :data:`ENV_ALIASES`
 (``KVTIER_HOST_BYTES``, ``KVTIER_SOCKET``, ...), and ``KVTIER_CONFIG`` names the TOML file when no
 path is given. Values from the environment and from flags are text: sizes take units (``4GiB``,
-see :mod:`kvtier.daemon.config.values`), booleans ``1/0/true/false/yes/no/on/off``, and ``off``
-switches an optional endpoint off.
+see :mod:`kvtier.daemon.config.values`), booleans ``1/0/true/false/yes/no/on/off``, ``off``
+switches an optional endpoint off, and a tier's ``models`` table (:data:`MODEL_TABLES`) is
+``PATTERN=CODEC[,PATTERN=CODEC...]`` (``KVTIER_STORE__DISK_MODELS='*-draft=int4,*=raw'``; empty: none).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from kvtier.daemon.config.sections import AuthConfig, DataPlaneConfig, EventsCon
 from kvtier.daemon.config.settings import DaemonConfig
 from kvtier.daemon.config.tenants import TenantConfig, parse_tenants
 from kvtier.daemon.config.values import GIB, ConfigError, parse_size, typed
-from kvtier.daemon.store.config import StoreConfig
+from kvtier.daemon.store.config import StoreConfig, StoreConfigError, check_codec_models
 
 HOST_BYTES_MAX = 4 * GIB  # default host tier: min(4 GiB, 25% of RAM, free /dev/shm)
 DISK_BYTES_DEFAULT = 20 * GIB
@@ -54,6 +56,9 @@ NULLABLE = frozenset({"dataplane.socket", "dataplane.listen", "rest.listen", "ev
                       "events.replay_endpoint", "events.packed_endpoint", "auth.token", "remote.url", "remote.user", "remote.password_file",
                       "remote.tls_ca_file"})
 """Options that take ``"off"`` (or ``""``) for None."""
+MODEL_TABLES = frozenset({"store.disk_models", "remote.models"})
+"""Per-model codec tables (issue 25): a TOML table ``"pattern" = "codec"`` in the file
+(``[tiers.disk.models]``, or inline in ``[store]`` / ``[remote]``), ``PATTERN=CODEC,...`` as text."""
 
 ENV_ALIASES: dict[str, str] = {
     "KVTIER_DATA_DIR": "daemon.data_dir", "KVTIER_LOG_LEVEL": "daemon.log_level",
@@ -66,8 +71,10 @@ ENV_ALIASES: dict[str, str] = {
 """Short environment names of the common options (each also has its ``KVTIER_S__K`` name)."""
 
 TIER_OPTIONS: dict[str, dict[str, str]] = {
-    "disk": {"codec": "store.disk_codec", "compression": "store.disk_compression"},
-    "remote": {"codec": "remote.codec", "compression": "remote.compression"},
+    "disk": {"codec": "store.disk_codec", "compression": "store.disk_compression", "k_axis": "store.disk_k_axis",
+             "models": "store.disk_models"},
+    "remote": {"codec": "remote.codec", "compression": "remote.compression", "k_axis": "remote.k_axis",
+               "models": "remote.models"},
 }
 """``[tiers.<tier>] key`` -> the option it sets (issue 25: precision by tier). The host tier keeps
 what clients write, so it has no table."""
@@ -100,6 +107,8 @@ def _convert(option: str, value: Any, origin: str) -> Any:
     kind, text = OPTIONS[option], isinstance(value, str) and not origin.startswith("file")
     if isinstance(value, str) and "\x00" in value:  # TOML's \u0000: no path or name holds a NUL
         raise ConfigError(f"{option} ({origin}): must not contain a NUL character")
+    if option in MODEL_TABLES:
+        return _model_table(option, value, origin, text)
     try:
         if option == "store.host_bytes" and value == "auto":
             return None
@@ -125,6 +134,26 @@ def _convert(option: str, value: Any, origin: str) -> Any:
     except (ConfigError, ValueError, OverflowError) as e:  # float(10**400) overflows
         msg = e.message if isinstance(e, ConfigError) else f"{value!r:.80} is not a valid {kind}"
         raise ConfigError(f"{option} ({origin}): {msg.removeprefix(option + ' ')}") from None
+
+
+def _model_table(option: str, value: Any, origin: str, text: bool) -> tuple[tuple[str, str], ...]:
+    """A tier's ``models`` table (:data:`MODEL_TABLES`), checked: a TOML table from a file,
+    ``PATTERN=CODEC[,PATTERN=CODEC...]`` from the environment or a flag (empty: no entry)."""
+    try:
+        if text:
+            pairs = []
+            for item in (i.strip() for i in value.split(",")):
+                if item:
+                    pattern, eq, codec = item.rpartition("=")
+                    if not eq:
+                        raise ConfigError(f"{item!r:.80} is not PATTERN=CODEC")
+                    pairs.append((pattern.strip(), codec.strip()))
+            return check_codec_models(option, pairs)
+        if not isinstance(value, (dict, list, tuple)):
+            raise ConfigError(f"must be a table of \"model pattern\" = \"codec\", got {value!r:.80}")
+        return check_codec_models(option, value)
+    except (ConfigError, StoreConfigError) as e:
+        raise ConfigError(f"{option} ({origin}): {e.message.removeprefix(option).lstrip(': ')}") from None
 
 
 def _from_toml(path: str) -> tuple[dict[str, tuple[Any, str]], tuple[TenantConfig, ...]]:
@@ -173,7 +202,7 @@ def _tier_options(doc: Any, path: str) -> dict[str, tuple[Any, str]]:
         for key, value in table.items():
             if key not in keys:
                 raise ConfigError(f"unknown key [tiers.{tier}] {key} in {path} (allowed: {', '.join(keys)})")
-            out[keys[key]] = (value, f"file {path} [tiers.{tier}]")
+            out[keys[key]] = (value, f"file {path} [tiers.{tier}{'.models' if key == 'models' else ''}]")
     return out
 
 

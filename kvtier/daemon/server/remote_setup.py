@@ -40,7 +40,7 @@ def remote_args(config: DaemonConfig, tenant: str | None) -> dict[str, Any]:
     name = tenant if tenant is not None else REMOTE_DEFAULT_TENANT
     options = RemoteOptions(tenant=name, write_mode=rc.write_mode, upload_queue_bytes=rc.upload_queue_bytes,
                             lookup_budget_s=rc.lookup_budget_ms / 1000, timeout_s=rc.timeout_s,
-                            codec=rc.codec, compression=rc.compression)
+                            codec=rc.codec, compression=rc.compression, k_axis=rc.k_axis, models=rc.models)
     log.info("kvtierd remote tier%s: %s as %s, keys %s:%s:*, write mode %s", f" of tenant {tenant}" if tenant else "",
              blocks.address, rc.user or "the default user", rc.key_prefix, name, rc.write_mode)
     return {"remote": blocks, "remote_options": options}

@@ -6,12 +6,16 @@ Every value is checked in ``__post_init__`` and a bad one raises a typed error t
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
 
-from kvtier_protocol.codec_plan import CODECS
+from kvtier_protocol.codec_plan import CODECS, default_quant
 from kvtier_protocol.errors import CapacityError, InvalidRequest
+from kvtier_protocol.quant import AXES, QuantParams
 
 
 class StoreConfigError(InvalidRequest, ValueError):
@@ -27,6 +31,16 @@ _DEVICE = re.compile(r"[a-z_]{1,32}(:[0-9]{1,4})?")
 TIER_COMPRESSIONS = ("none", "lz4")
 """Values of ``disk_compression``: the lossless stage after the codec (SPEC.md §4.8), or none."""
 GPU_SEGMENT_BYTES = 1 << 30  # default device pool size (one tensor)
+K_AXES = AXES
+"""Values of ``disk_k_axis`` (and the remote tier's ``k_axis``): what one K scale covers (SPEC.md §5.2)."""
+MAX_MODEL_PATTERNS = 256
+"""Entries of one tier's ``models`` table at most (each block's namespace is matched in order)."""
+MAX_PATTERN_BYTES = 256
+"""A pattern's length at most: a namespace's ``model`` is 1..256 UTF-8 bytes (SPEC.md §2)."""
+
+CodecModels = tuple[tuple[str, str], ...]
+"""A tier's per-model codec table: ``(fnmatch pattern of a namespace's model, codec)`` pairs, in
+order; the first pattern that matches decides (:func:`codec_for_model`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +104,23 @@ class StoreConfig:
             codec, compressed, another dtype, data the codec refuses) go down as they are, and
             so do write-through and flush-at-close copies (their host copy stays, and a block
             has one header).
+        disk_k_axis: what one K scale covers when ``disk_codec`` (or a ``disk_models`` codec)
+            is ``int8``, ``int4`` or ``int2`` and the block is MHA (TOML ``[tiers.disk] k_axis``):
+            ``"channel"`` (default; SPEC.md §5.2's default: one scale and min per channel over the
+            block's tokens) or ``"token"`` (one per token over the row, like V; whole-row groups
+            for int8, the codec's default group for int4/int2). At 16-token blocks per-channel
+            scales cost 2 bits per element (int8: 9.125 bits, 1.75x raw bf16), per-token ones
+            0.25 (8.25 bits, 1.94x; SPEC.md §5.9). fp8 ignores axes (§5.7) and MLA's latent is
+            always per token (§5.8): there this setting does nothing.
+        disk_models: per-model exceptions to ``disk_codec`` (TOML ``[tiers.disk.models]``):
+            ``(pattern, codec)`` pairs (a mapping is taken too, in its order); a block whose
+            namespace's ``model`` matches a pattern (:func:`fnmatch.fnmatchcase`: ``*``, ``?``,
+            ``[...]``; case-sensitive) takes that pattern's codec on disk instead, the first
+            matching pattern deciding (put specific patterns before broad ones). ``"raw"`` keeps a
+            model exact on disk under a lossy ``disk_codec``; a lossy codec re-encodes a model
+            whose tier default is raw. A block's model is its registered namespace's (else its
+            header's ``ns_fields``); a block of a namespace the daemon does not know takes
+            ``disk_codec``.
         disk_compression: ``"lz4"``: byte-shuffle and LZ4 each section of a re-encoded disk
             record (SPEC.md §4.8; lossless); ``"none"`` (default). Applies only to records that
             ``disk_codec`` re-encodes.
@@ -125,6 +156,8 @@ class StoreConfig:
     disk_codec: str = "raw"
     disk_compression: str = "none"
     accept_lossy: bool = True
+    disk_k_axis: str = "channel"
+    disk_models: CodecModels = ()
 
     def __post_init__(self) -> None:
         _int(self, "host_bytes", 0)
@@ -157,6 +190,9 @@ class StoreConfig:
             raise StoreConfigError(f"flush_on_close must be a bool, got {self.flush_on_close!r}")
         if self.disk_codec not in CODECS:
             raise StoreConfigError(f"disk_codec must be one of {CODECS}, got {self.disk_codec!r}")
+        if self.disk_k_axis not in K_AXES:
+            raise StoreConfigError(f"disk_k_axis must be one of {K_AXES}, got {self.disk_k_axis!r:.80}")
+        object.__setattr__(self, "disk_models", check_codec_models("disk_models", self.disk_models))
         if self.disk_compression not in TIER_COMPRESSIONS:
             raise StoreConfigError(f"disk_compression must be one of {TIER_COMPRESSIONS}, got {self.disk_compression!r}")
         if not isinstance(self.accept_lossy, bool):
@@ -167,6 +203,12 @@ class StoreConfig:
                 raise StoreConfigError(f"{name} must be a positive number of seconds, got {v!r}")
         if self.lease_seconds > self.max_lease_seconds:
             raise StoreConfigError(f"lease_seconds {self.lease_seconds} > max_lease_seconds {self.max_lease_seconds}")
+
+    @property
+    def disk_recodes(self) -> bool:
+        """Whether any block may be re-encoded on its way to disk (a lossy ``disk_codec`` or
+        ``disk_models`` codec)."""
+        return any_lossy(self.disk_codec, self.disk_models)
 
     @property
     def segment_bytes(self) -> int:
@@ -183,3 +225,67 @@ def _int(cfg: StoreConfig, name: str, lo: int, hi: int = 1 << 62) -> None:
     v = getattr(cfg, name)
     if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
         raise StoreConfigError(f"{name} must be an integer in [{lo}, {hi}], got {v!r}")
+
+
+def check_codec_models(name: str, value: Any) -> CodecModels:
+    """A tier's ``models`` table as ``(pattern, codec)`` pairs, in order, checked.
+
+    Args:
+        name: the option, for the error (``"disk_models"``, ``"remote.models"``).
+        value: a mapping of pattern to codec (a TOML table keeps the file's order) or a sequence
+            of ``(pattern, codec)`` pairs.
+
+    Raises:
+        StoreConfigError: not a table of text to codec names, an empty pattern, one longer than
+            a model name can be or holding a NUL, a pattern twice, an unknown codec, too many
+            entries. The message names ``name`` and the pattern.
+    """
+    if isinstance(value, Mapping):
+        pairs = list(value.items())
+    elif isinstance(value, (tuple, list)) and all(isinstance(p, (tuple, list)) and len(p) == 2 for p in value):
+        pairs = [tuple(p) for p in value]
+    else:
+        raise StoreConfigError(f"{name} must be a table of model pattern = codec, got {value!r:.80}")
+    if len(pairs) > MAX_MODEL_PATTERNS:
+        raise StoreConfigError(f"{name} has {len(pairs)} patterns; at most {MAX_MODEL_PATTERNS}")
+    seen: set[str] = set()
+    for pattern, codec in pairs:
+        if not isinstance(pattern, str) or not pattern or "\x00" in pattern or \
+                len(pattern.encode("utf-8", "surrogatepass")) > MAX_PATTERN_BYTES:
+            raise StoreConfigError(f"{name}: pattern {pattern!r:.80} must be 1..{MAX_PATTERN_BYTES} bytes of text "
+                                   "(an fnmatch pattern of a namespace's model)")
+        if pattern in seen:
+            raise StoreConfigError(f"{name}: pattern {pattern!r:.80} appears twice")
+        seen.add(pattern)
+        if not isinstance(codec, str) or codec not in CODECS:
+            raise StoreConfigError(f"{name}[{pattern!r:.80}] must be one of {CODECS}, got {codec!r:.80}")
+    return tuple((p, c) for p, c in pairs)
+
+
+def codec_for_model(models: CodecModels, default: str, model: str | None) -> str:
+    """The codec of a tier for a block of ``model`` (None: unknown): the codec of the first
+    pattern of ``models`` that matches it (case-sensitive fnmatch), else ``default``."""
+    if model is not None:
+        for pattern, codec in models:
+            if fnmatch.fnmatchcase(model, pattern):
+                return codec
+    return default
+
+
+def any_lossy(default: str, models: CodecModels) -> bool:
+    """Whether a tier with codec ``default`` and table ``models`` may re-encode any block."""
+    return default != "raw" or any(codec != "raw" for _, codec in models)
+
+
+def tier_quant(codec: str, k_axis: str, *, mla: bool) -> QuantParams | None:
+    """The codec parameters a tier re-encodes with: None for the codec's defaults (what
+    :func:`kvtier_protocol.block.encode_block` then picks: raw, fp8 (axes ignored, SPEC.md §5.7),
+    MLA (per token, with the namespace's rope dims, §5.8) and K per channel); else the MHA
+    defaults of ``codec`` (int8/int4/int2) with K per token: the scale dtype and group sizes stay
+    the defaults (K's group is V's: 0, the whole row, for int8; 32 for int4/int2)."""
+    assert k_axis in K_AXES, "checked by the config"
+    if k_axis == "channel" or mla or codec in ("raw", "fp8_e4m3"):
+        return None
+    q = default_quant(codec)
+    assert q is not None, "a quantizing codec has defaults"
+    return replace(q, k_axis="token", k_group=q.v_group)

@@ -10,7 +10,8 @@ block (a miss later), never serves or keeps bad bytes.
 Copies and disk I/O run on the store's thread pool (:mod:`kvtier.daemon.store.transfers`) so the event
 loop stays responsive.
 
-Precision by tier (issue 25): with a lossy ``StoreConfig.disk_codec``, a host block demoted to
+Precision by tier (issue 25): with a lossy ``StoreConfig.disk_codec`` (or a lossy codec for the
+block's model in ``disk_models``; K per channel or per token: ``disk_k_axis``), a host block demoted to
 disk by eviction is re-encoded on the way (:func:`~kvtier.daemon.store.transfers.recode_verified`:
 the host copy is verified, then encoded, then the new payload verified), written under the same
 key, and only then, with its host copy freed, does the block take the new record's header, size
@@ -33,9 +34,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from kvtier_protocol.errors import KVTierError, StorageError
-from kvtier_protocol.header import decode_header
-from kvtier_protocol.layouts import get_layout
+from kvtier_protocol.errors import StorageError
 
 from kvtier.daemon.store.config import StoreConfig
 from kvtier.daemon.store.disk import DiskTier
@@ -44,19 +43,20 @@ from kvtier.daemon.store.index import BlockIndex, BlockMeta
 from kvtier.daemon.store.policy import AdmissionFilter
 from kvtier.daemon.store.remote_link import RemoteLink
 from kvtier.daemon.store.stats import EventKind, EventLog, StoreCounters, StoreEvent
-from kvtier.daemon.store.transfers import Recoded, gpu_snapshot_verified, gpu_to_host, recode_verified, snapshot_verified
+from kvtier.daemon.store.transfers import (Recoded, gpu_snapshot_verified, gpu_to_host, recode_choice, recode_verified,
+                                           snapshot_verified)
 from kvtier.daemon.store.types import NS_ID_LEN, BlockKey, Slot, Tier
 
 _HOST_TIER, _STORED_KIND = Tier.HOST, EventKind.STORED  # module constants: emit runs per block
 
 if TYPE_CHECKING:
+    from kvtier_protocol.namespace import Namespace
+
     from kvtier.daemon.store.gpu import GpuTier
 
 R = TypeVar("R")
 Payload = bytes | memoryview  # a verified payload copy: memoryviews are the disk tier's aligned buffers
 MEMORY_TIERS = (Tier.GPU, Tier.HOST)
-RECODE_DTYPES = frozenset({"bfloat16", "float16", "float32"})
-"""Dtypes of the raw records a lossy disk codec re-encodes (the codecs' C loops read these)."""
 RECODE_CHUNKS = 4
 """A demotion batch with a lossy disk codec is re-encoded and written in up to this many chunks,
 one encoded while the one before is written (:meth:`Mover._write_recoded`): more overlap, at one
@@ -83,7 +83,7 @@ class Mover:
         self._recode_cpu: collections.deque[float] = collections.deque()  # see _recode_timed
         self.zombies: set[BlockMeta] = set()  # removed while leased: freed at their last release
         self.remote: RemoteLink | None = None  # the remote tier (RemoteLink.attach sets it)
-        if cfg.disk_codec != "raw" and disk is not None:
+        if cfg.disk_recodes and disk is not None:
             # The codecs run on torch: load it now, at start, rather than inside the first
             # eviction, where the import (seconds, mostly holding the GIL) would stall the loop.
             import torch  # noqa: PLC0415
@@ -343,7 +343,7 @@ class Mover:
         """
         if not metas:
             return {}
-        rope = self._recodable(metas) if self.cfg.disk_codec != "raw" else {}
+        rope = self._recodable(metas) if self.cfg.disk_recodes else {}
         written = await self.write_disk_verified([m for m in metas if m not in rope] if rope else metas)
         recoded = await self._write_recoded([m for m in metas if m in rope], rope) if rope else {}
         c = self.counters
@@ -352,32 +352,33 @@ class Mover:
         c.tiers[Tier.HOST].bytes_out += sum(m.size for m in written) + sum(m.size for m in recoded)
         return recoded
 
-    def _recodable(self, metas: Sequence[BlockMeta]) -> dict[BlockMeta, int]:
-        """The blocks of ``metas`` the disk codec re-encodes, with the MLA rope dims each keeps
-        raw: records whose header says raw (uncompressed) float16/bfloat16/float32 KV, MLA ones
-        only when their namespace (saved with the disk tier, or in the header) names its rope
-        dims. The others go down as they are."""
-        assert self.disk is not None, "demotion to disk needs a disk tier"
-        out: dict[BlockMeta, int] = {}
+    def _recodable(self, metas: Sequence[BlockMeta]) -> dict[BlockMeta, tuple[int, str]]:
+        """The blocks of ``metas`` the disk tier re-encodes, each with the MLA rope dims it keeps
+        raw and its codec (:func:`~kvtier.daemon.store.transfers.recode_choice`: ``disk_codec``,
+        or the ``disk_models`` codec of its namespace's model; raw (uncompressed)
+        float16/bfloat16/float32 KV only, MLA ones only when the namespace (saved with the disk
+        tier, or in the header) names its rope dims). The others go down as they are."""
+        disk = self.disk
+        assert disk is not None, "demotion to disk needs a disk tier"
+        known: dict[bytes, Namespace | None] = {}  # one look-up (under the disk tier's lock) per namespace
+
+        def namespace(ns_id: bytes) -> Namespace | None:
+            if ns_id not in known:
+                known[ns_id] = disk.namespace(ns_id)
+            return known[ns_id]
+
+        cfg = self.cfg
+        out: dict[BlockMeta, tuple[int, str]] = {}
         for meta in metas:
-            try:
-                h, _ = decode_header(meta.header)
-                mla = get_layout(h.layout).is_mla
-            except KVTierError:  # never expected: committed headers were checked
-                continue
-            if h.codec != "raw" or h.compression is not None or h.dtype not in RECODE_DTYPES:
-                continue
-            rope = 0
-            if mla:
-                ns = self.disk.namespace(meta.ns_id)
-                rope = ns.mla_rope_dim if ns is not None else (h.ns_fields or {}).get("mla_rope_dim")
-                if type(rope) is not int or rope < 0:
-                    continue  # rope dims unknown: quantizing them could cost more than the codec says
-            out[meta] = rope
+            how = recode_choice(meta.header, namespace, cfg.disk_codec, cfg.disk_models)
+            if how is not None:
+                out[meta] = how
         return out
 
-    async def _write_recoded(self, metas: list[BlockMeta], rope: dict[BlockMeta, int]) -> dict[BlockMeta, Recoded]:
-        """Re-encode host blocks with the disk codec (on the I/O pool, from verified copies) and
+    async def _write_recoded(self, metas: list[BlockMeta],
+                             rope: dict[BlockMeta, tuple[int, str]]) -> dict[BlockMeta, Recoded]:
+        """Re-encode host blocks, each with its disk codec (``rope``: :meth:`_recodable`'s rope
+        dims and codec), on the I/O pool from verified copies, and
         write the records to disk under the same keys; the blocks written, with their records.
 
         A host copy that fails its checksum is counted and not written. Blocks that do not fit
@@ -393,7 +394,7 @@ class Mover:
         if not metas:
             return {}
         compression = None if self.cfg.disk_compression == "none" else self.cfg.disk_compression
-        items = [(m.header, self.host.view(m.host_slot), m.checksum, rope[m]) for m in metas]
+        items = [(m.header, self.host.view(m.host_slot), m.checksum, *rope[m]) for m in metas]
         step = max(1, -(-len(metas) // RECODE_CHUNKS))
         chunks = [range(i, min(len(metas), i + step)) for i in range(0, len(metas), step)]
         written: dict[BlockMeta, Recoded] = {}
@@ -416,12 +417,12 @@ class Mover:
             self._count_recode_time()
         return written
 
-    def _recode_soon(self, items: list[tuple[bytes, memoryview, int, int]],
+    def _recode_soon(self, items: list[tuple[bytes, memoryview, int, int, str]],
                      compression: str | None) -> Future[list[Recoded | None]]:
         """:func:`recode_verified` of ``items`` submitted to the I/O pool (a future of the pool's,
         not the loop's: :meth:`_give_back_recoded` can follow it even after a cancellation)."""
         assert self.disk is not None, "demotion to disk needs a disk tier"
-        return self.pool.submit(self._recode_timed, items, self.cfg.disk_codec, compression, self.disk.buffers)
+        return self.pool.submit(self._recode_timed, items, self.cfg.disk_k_axis, compression, self.disk.buffers)
 
     def _recode_timed(self, *args: Any) -> list[Recoded | None]:
         """:func:`recode_verified` on a pool thread, its CPU time noted for the loop to count

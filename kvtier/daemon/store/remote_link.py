@@ -10,9 +10,11 @@
               (checksum verified) ─► remote.put ─► STORED REMOTE event, unpin
     back:     host eviction ─► offer_copies(victims): records copied before the slots are freed
     queue:    bounded in payload bytes; an upload beyond it is dropped and counted
-    codec:    with a lossy RemoteOptions.codec, each record built for upload that is raw float KV is
-              re-encoded on the way (transfers.recode_verified, the disk demotion's: verified
-              source, new header, same key), on the I/O pool; the host copy stays as it is
+    codec:    with a lossy RemoteOptions.codec (or a lossy codec for the block's model in
+              RemoteOptions.models; K's axis: RemoteOptions.k_axis), each record built for upload
+              that is raw float KV is re-encoded on the way (transfers.recode_choice and
+              recode_verified, the disk demotion's: verified source, new header, same key), on
+              the I/O pool; the host copy stays as it is
 
 The remote engine is a :class:`~kvtier.daemon.remote.backend.RemoteBlocks` (never raises for a
 fault: a miss, ``False``); with :class:`~kvtier.daemon.remote.backend.NoRemoteBlocks` every method
@@ -30,19 +32,18 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from kvtier_protocol.codec_plan import CODECS
-from kvtier_protocol.errors import KVTierError
-from kvtier_protocol.header import BlockHeader, decode_header, payload_checksum
-from kvtier_protocol.layouts import get_layout
+from kvtier_protocol.header import BlockHeader, payload_checksum
 from kvtier_protocol.namespace import Namespace
 
 from kvtier.daemon.remote.backend import NoRemoteBlocks, RemoteBlocks, RemoteKey
 from kvtier.daemon.remote.verify import MissReason, verify_namespace, verify_record
-from kvtier.daemon.store.config import TIER_COMPRESSIONS
+from kvtier.daemon.store.config import (K_AXES, TIER_COMPRESSIONS, CodecModels, StoreConfigError, any_lossy,
+                                        check_codec_models, codec_for_model)
 from kvtier.daemon.store.disk_io import BufferPool
 from kvtier.daemon.store.host import HostTier
 from kvtier.daemon.store.index import BlockIndex, BlockMeta
 from kvtier.daemon.store.stats import EventKind
-from kvtier.daemon.store.transfers import recode_verified
+from kvtier.daemon.store.transfers import recode_choice, recode_verified
 from kvtier.daemon.store.types import NS_ID_LEN, BlockKey, Tier
 
 if TYPE_CHECKING:
@@ -78,10 +79,6 @@ LOOKUP_WINDOW = 32
 """Keys a lookup asks the cluster about first; each window after a full run of hits is twice as large."""
 PINNED_SHARE = 4
 """Write-through pins queued blocks in host memory: at most 1/PINNED_SHARE of the host tier."""
-RECODE_DTYPES = frozenset({"bfloat16", "float16", "float32"})
-"""Dtypes of the raw records a lossy remote codec re-encodes: the disk path's
-(``kvtier.daemon.store.moves.RECODE_DTYPES``; moves imports this module, so it is restated here,
-and a test holds the two equal)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +94,12 @@ class RemoteOptions:
         codec: the codec of uploaded records (issue 25): ``"raw"`` uploads every record as it is;
             a quantizing codec re-encodes the raw float KV records (see the module docstring).
         compression: ``"lz4"`` or ``"none"``: the lossless stage of re-encoded records.
+        k_axis: ``"channel"`` (default) or ``"token"``: what one K scale covers in the MHA
+            records re-encoded with int8/int4/int2 (as ``StoreConfig.disk_k_axis``; fp8 and MLA
+            ignore it).
+        models: per-model exceptions to ``codec``: ``(fnmatch pattern, codec)`` pairs (a mapping
+            is taken too), the first pattern matching a block's namespace model deciding (as
+            ``StoreConfig.disk_models``).
     """
 
     tenant: str = "default"
@@ -106,11 +109,16 @@ class RemoteOptions:
     timeout_s: float | None = None
     codec: str = "raw"
     compression: str = "none"
+    k_axis: str = "channel"
+    models: CodecModels = ()
 
     def __post_init__(self) -> None:
         RemoteKey.of(self.tenant, bytes(NS_ID_LEN + 8))  # raises ValueError for a bad tenant name
         if self.codec not in CODECS:
-            raise ValueError(f"codec must be one of {CODECS}, got {self.codec!r}")
+            raise StoreConfigError(f"codec must be one of {CODECS}, got {self.codec!r}")
+        if self.k_axis not in K_AXES:
+            raise StoreConfigError(f"k_axis must be one of {K_AXES}, got {self.k_axis!r:.80}")
+        object.__setattr__(self, "models", check_codec_models("models", self.models))
         if self.compression not in TIER_COMPRESSIONS:
             raise ValueError(f"compression must be one of {TIER_COMPRESSIONS}, got {self.compression!r}")
         if self.write_mode not in WRITE_MODES:
@@ -207,8 +215,27 @@ class RemoteLink:
 
     @property
     def recodes(self) -> bool:
-        """Whether uploads re-encode raw records (a lossy :attr:`RemoteOptions.codec`)."""
-        return self.options.codec != "raw"
+        """Whether uploads may re-encode raw records (a lossy :attr:`RemoteOptions.codec`, or a
+        lossy codec in :attr:`RemoteOptions.models`)."""
+        return any_lossy(self.options.codec, self.options.models)
+
+    def lossy_for(self, ns_id: bytes) -> bool:
+        """Whether this store uploads the raw records of namespace ``ns_id`` re-encoded: the
+        tier's codec for the namespace's model (known here, saved with the disk tier, else
+        unknown: :attr:`RemoteOptions.codec`) is lossy."""
+        o = self.options
+        if not o.models:
+            return o.codec != "raw"
+        ns = self._namespace_of(ns_id)
+        return codec_for_model(o.models, o.codec, ns.model if ns is not None else None) != "raw"
+
+    def _namespace_of(self, ns_id: bytes) -> Namespace | None:
+        """The namespace ``ns_id`` as this store knows it (offered, learnt, or saved with the disk tier)."""
+        ns = self._known.get(ns_id)
+        disk = self._mover.disk if self._mover is not None else None
+        if ns is None and disk is not None:
+            ns = disk.namespace(ns_id)
+        return ns
 
     @property
     def uploads(self) -> bool:
@@ -266,12 +293,13 @@ class RemoteLink:
     async def lookup(self, keys: Sequence[BlockKey], *, exact: bool = False) -> int:
         """How many of ``keys``, from the first, the cluster holds (within the lookup budget).
 
-        ``exact``: the request takes exact copies only. With a lossy codec this daemon uploads
-        re-encoded records, and every daemon of a cluster is meant to have the same codec, so the
-        cluster's copies count as lossy (EXISTS cannot tell): none is counted. (Acquire judges each
-        fetched record by its header all the same.)
+        ``exact``: the request takes exact copies only. With a lossy codec for the keys'
+        namespace (:meth:`lossy_for`) this daemon uploads its records re-encoded, and every daemon
+        of a cluster is meant to have the same codec policy, so the cluster's copies count as
+        lossy (EXISTS cannot tell): none is counted. (Acquire judges each fetched record by its
+        header all the same.)
         """
-        if not self.enabled or not keys or (exact and self.recodes):
+        if not self.enabled or not keys or (exact and self.recodes and self.lossy_for(keys[0][:NS_ID_LEN])):
             return 0
         # Windows that double while every key is there: a long prompt whose prefix ends early
         # costs one small batch, not thousands of EXISTS; all windows share the one budget.
@@ -610,17 +638,17 @@ class RemoteLink:
 
     async def _build(self, headers: list[bytes], views: list[memoryview], checksums: list[int]) -> list[bytes | None]:
         """The records to upload for host blocks (on the I/O pool), None where a host copy fails
-        its checksum: each as it is, or, with a lossy codec, re-encoded where :meth:`_rope_dims`
-        says the codec takes it."""
+        its checksum: each as it is, or, with a lossy codec, re-encoded where :meth:`_recode_how`
+        says the tier's codec takes it."""
         mover = self._mover
         assert mover is not None, "attach() before uploads"
         if not self.recodes:
             return await mover.run(_records, headers, views, checksums)
         assert self._recode_pool is not None
-        ropes = [self._rope_dims(h) for h in headers]
+        hows = [self._recode_how(h) for h in headers]
         compression = None if self.options.compression == "none" else self.options.compression
         try:
-            records, saved = await mover.run(_recoded_records, headers, views, checksums, ropes, self.options.codec,
+            records, saved = await mover.run(_recoded_records, headers, views, checksums, hows, self.options.k_axis,
                                              compression, self._recode_pool)
         except Exception:  # never expected (the codec refuses data with KVTierError): upload as they are
             log.exception("kvtier remote: re-encoding an upload batch failed; its records go up as they are")
@@ -629,26 +657,11 @@ class RemoteLink:
         self.counters.recoded_saved_bytes += sum(saved)
         return records
 
-    def _rope_dims(self, header: bytes) -> int | None:
-        """The MLA rope dims to keep raw when the remote codec re-encodes the record of ``header``
-        (0 for MHA), or None when it goes up as it is: the same rule as the disk demotion's
-        (raw, uncompressed float16/bfloat16/float32 KV; MLA only when the namespace, known here,
-        saved with the disk tier or carried in the header, names its rope dims)."""
-        try:
-            h, _ = decode_header(header)
-            mla = get_layout(h.layout).is_mla
-        except KVTierError:  # never expected: committed headers were checked
-            return None
-        if h.codec != "raw" or h.compression is not None or h.dtype not in RECODE_DTYPES:
-            return None
-        if not mla:
-            return 0
-        ns = self._known.get(h.ns_id)
-        disk = self._mover.disk if self._mover is not None else None
-        if ns is None and disk is not None:
-            ns = disk.namespace(h.ns_id)
-        rope = ns.mla_rope_dim if ns is not None else (h.ns_fields or {}).get("mla_rope_dim")
-        return rope if type(rope) is int and rope >= 0 else None  # unknown: quantizing them could cost more
+    def _recode_how(self, header: bytes) -> tuple[int, str] | None:
+        """How the record of ``header`` goes up (:func:`~kvtier.daemon.store.transfers.recode_choice`,
+        the disk demotion's rule): ``(rope dims kept raw, codec)`` when the tier's codec for its
+        namespace's model re-encodes it, None when it goes up as it is."""
+        return recode_choice(header, self._namespace_of, self.options.codec, self.options.models)
 
 
 def _records(headers: Sequence[bytes], payloads: Sequence[memoryview], checksums: Sequence[int]) -> list[bytes | None]:
@@ -661,22 +674,22 @@ def _records(headers: Sequence[bytes], payloads: Sequence[memoryview], checksums
 
 
 def _recoded_records(headers: Sequence[bytes], views: Sequence[memoryview], checksums: Sequence[int],
-                     ropes: Sequence[int | None], codec: str, compression: str | None,
+                     hows: Sequence[tuple[int, str] | None], k_axis: str, compression: str | None,
                      pool: BufferPool) -> tuple[list[bytes | None], list[int]]:
-    """:func:`_records`, with the blocks whose ``ropes`` entry is not None re-encoded by
+    """:func:`_records`, with the blocks whose ``hows`` entry (rope dims, codec) is not None re-encoded by
     :func:`~kvtier.daemon.store.transfers.recode_verified` (the disk demotion's: the host copy
     verified first, the new payload checked against the new header; a block the codec refuses
     keeps its record). Also the bytes each re-encoded record saved. Runs on the I/O pool."""
-    todo = [i for i, rope in enumerate(ropes) if rope is not None]
-    plain = [i for i, rope in enumerate(ropes) if rope is None]
+    todo = [(i, how) for i, how in enumerate(hows) if how is not None]
+    plain = [i for i, how in enumerate(hows) if how is None]
     out: list[bytes | None] = [None] * len(headers)
     for i, record in zip(plain, _records([headers[i] for i in plain], [views[i] for i in plain],
                                          [checksums[i] for i in plain])):
         out[i] = record
     saved: list[int] = []
-    got = recode_verified([(headers[i], views[i], checksums[i], ropes[i]) for i in todo], codec, compression, pool) \
-        if todo else []
-    for i, rec in zip(todo, got):
+    got = recode_verified([(headers[i], views[i], checksums[i], rope, codec) for i, (rope, codec) in todo],
+                          k_axis, compression, pool) if todo else []
+    for (i, _), rec in zip(todo, got):
         if rec is None:  # the host copy failed its checksum: never uploaded
             out[i] = None
             continue

@@ -9,16 +9,21 @@ a store without a GPU tier or a lossy disk codec never loads it through this mod
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvtier_protocol.errors import KVTierError
 from kvtier_protocol.header import decode_header, payload_checksum, split_record, verify_payload
+from kvtier_protocol.layouts import get_layout
 
+from kvtier.daemon.store.config import CodecModels, codec_for_model, tier_quant
 from kvtier.daemon.store.disk_io import BufferPool, copy_into
 from kvtier.daemon.store.types import BlockKey, Slot
 
 if TYPE_CHECKING:
+    from kvtier_protocol.namespace import Namespace
+
     from kvtier.daemon.store.disk import DiskTier
     from kvtier.daemon.store.gpu import GpuTier
     from kvtier.daemon.store.host import HostTier
@@ -47,6 +52,44 @@ def snapshot_verified(views: list[memoryview], checksums: list[int],
     return out
 
 
+RECODE_DTYPES = frozenset({"bfloat16", "float16", "float32"})
+"""Dtypes of the raw records a lossy tier codec re-encodes (the codecs' C loops read these)."""
+
+
+def recode_choice(header: bytes, namespace: Callable[[bytes], Namespace | None], default: str,
+                  models: CodecModels) -> tuple[int, str] | None:
+    """How a tier re-encodes the record of ``header`` (issue 25): ``(rope_dims, codec)``, the MLA
+    rope dims kept raw (0 for MHA) and the tier's codec for the block's model; or None when the
+    record goes down (or up) as it is.
+
+    The codec is the first of the tier's ``models`` whose pattern matches the block's namespace
+    model (:func:`~kvtier.daemon.store.config.codec_for_model`), else ``default``; the model and
+    the MLA rope dims come from ``namespace(ns_id)`` (registered, saved with the disk tier or
+    learnt), else from the header's ``ns_fields``. None: the codec is raw; the record is not raw
+    (uncompressed) float16/bfloat16/float32 KV; MLA rope dims unknown (quantizing them could cost
+    more than the codec says).
+    """
+    try:
+        h, _ = decode_header(header)
+        mla = get_layout(h.layout).is_mla
+    except KVTierError:  # never expected: committed headers were checked
+        return None
+    if h.codec != "raw" or h.compression is not None or h.dtype not in RECODE_DTYPES:
+        return None
+    ns = namespace(h.ns_id) if mla or models else None
+    fields = h.ns_fields or {}
+    model = ns.model if ns is not None else fields.get("model")
+    codec = codec_for_model(models, default, model if isinstance(model, str) else None)
+    if codec == "raw":
+        return None
+    rope = 0
+    if mla:
+        rope = ns.mla_rope_dim if ns is not None else fields.get("mla_rope_dim")
+        if type(rope) is not int or rope < 0:
+            return None
+    return rope, codec
+
+
 @dataclass(frozen=True, slots=True)
 class Recoded:
     """A host record made ready for the disk by :func:`recode_verified` (issue 25).
@@ -71,25 +114,26 @@ class Recoded:
         return self.payload.nbytes
 
 
-def recode_verified(items: list[tuple[bytes, memoryview, int, int]], codec: str, compression: str | None,
+def recode_verified(items: list[tuple[bytes, memoryview, int, int, str]], k_axis: str, compression: str | None,
                     pool: BufferPool) -> list[Recoded | None]:
-    """Re-encode raw host records with ``codec`` (then ``compression``) for the disk (issue 25).
+    """Re-encode raw host records for a lower tier (issue 25), each with its codec, then ``compression``.
 
-    Per ``(header, host view, checksum, rope_dims)``: the host payload is copied and the copy
-    checked against ``checksum`` first (None: it fails; nothing is made of it); the copy is read
-    as the header's raw tensor (layout, shape, dtype) and encoded into a new record of the same
-    block (:func:`kvtier_protocol.block.encode_block`: canonical layout, the codec's default
-    parameters, ``rope_dims`` trailing MLA latent dims kept raw); its payload is copied into a
-    buffer of ``pool`` and that buffer checked against the new header's checksum. A block the
-    codec refuses (NaN or Inf, a layout it cannot read) keeps its record: the verified copy
-    under the old header. The caller checked each header is raw float KV.
+    Per ``(header, host view, checksum, rope_dims, codec)`` (:func:`recode_choice`): the host
+    payload is copied and the copy checked against ``checksum`` first (None: it fails; nothing is
+    made of it); the copy is read as the header's raw tensor (layout, shape, dtype) and encoded
+    into a new record of the same block (:func:`kvtier_protocol.block.encode_block`: canonical
+    layout, the codec's default parameters but K's axis, ``k_axis`` for MHA int codecs
+    (:func:`~kvtier.daemon.store.config.tier_quant`), ``rope_dims`` trailing MLA latent dims kept
+    raw); its payload is copied into a buffer of ``pool`` and that buffer checked against the new
+    header's checksum. A block the codec refuses (NaN or Inf, a layout it cannot read) keeps its
+    record: the verified copy under the old header. The caller checked each header is raw float KV.
     """
     import torch  # noqa: PLC0415  (a store without a lossy disk codec never loads torch here)
 
     from kvtier_protocol.block import encode_block, torch_dtype  # noqa: PLC0415  (imports torch)
 
     out: list[Recoded | None] = []
-    for header, view, checksum, rope_dims in items:
+    for header, view, checksum, rope_dims, codec in items:
         copy = bytearray(view)  # writable: torch reads it without a warning, and owns nothing of the slot
         if payload_checksum(copy) != checksum:
             out.append(None)
@@ -97,8 +141,9 @@ def recode_verified(items: list[tuple[bytes, memoryview, int, int]], codec: str,
         h, _ = decode_header(header)
         tensor = torch.frombuffer(copy, dtype=torch.uint8).view(torch_dtype(h.dtype)).reshape(h.shape)
         try:
+            quant = tier_quant(codec, k_axis, mla=get_layout(h.layout).is_mla)
             record = encode_block(tensor, ns_id=h.ns_id, chain_hash=h.chain_hash, parent_hash=h.parent_hash,
-                                  layout=h.layout, codec=codec, num_tokens=h.num_tokens,
+                                  layout=h.layout, codec=codec, quant=quant, num_tokens=h.num_tokens,
                                   ns_fields=dict(h.ns_fields) if h.ns_fields is not None else None,
                                   created_ms=h.created_ms, mla_rope_dim=rope_dims, compression=compression)
         except KVTierError:  # data the codec refuses: the block goes down exact, as it is

@@ -1,7 +1,9 @@
-"""Precision by tier (issue 25): ``store.disk_codec`` / ``store.disk_compression`` (also spelt
-``[tiers.disk] codec`` / ``compression`` in the file), ``remote.codec`` / ``remote.compression``
-(``[tiers.remote]``), ``store.accept_lossy`` and the tenants' own ``accept_lossy``: sources,
-defaults (raw everywhere, any copy served) and checks."""
+"""Precision by tier (issue 25): ``store.disk_codec`` / ``store.disk_compression`` /
+``store.disk_k_axis`` / ``store.disk_models`` (also spelt ``[tiers.disk] codec`` / ``compression`` /
+``k_axis`` and ``[tiers.disk.models]`` in the file), ``remote.codec`` / ``remote.compression`` /
+``remote.k_axis`` / ``remote.models`` (``[tiers.remote]``), ``store.accept_lossy`` and the tenants'
+own ``accept_lossy``: sources, defaults (raw everywhere, K per channel, no model table, any copy
+served) and checks."""
 
 from __future__ import annotations
 
@@ -17,8 +19,55 @@ ENV = {"HOME": "/home/tester", "XDG_RUNTIME_DIR": "/run/user/1000"}
 def test_exact_by_default() -> None:
     store = load_config(env=ENV).store
     assert (store.disk_codec, store.disk_compression, store.accept_lossy) == ("raw", "none", True)
+    assert (store.disk_k_axis, store.disk_models, store.disk_recodes) == ("channel", (), False)
     remote = load_config(env=ENV).remote
-    assert (remote.codec, remote.compression) == ("raw", "none")
+    assert (remote.codec, remote.compression, remote.k_axis, remote.models) == ("raw", "none", "channel", ())
+
+
+MODELS_TOML = """
+[tiers.disk]
+codec = "int8"
+k_axis = "token"
+[tiers.disk.models]
+"meta-llama/Llama-3.1-8B*" = "raw"
+"*-draft" = "int4"
+"*" = "int8"
+[tiers.remote]
+codec = "int8"
+k_axis = "token"
+[tiers.remote.models]
+"*-draft" = "raw"
+"""
+
+
+def test_k_axis_and_model_tables_from_the_tiers_tables_in_file_order(tmp_path: Path) -> None:
+    path = tmp_path / "kvtier.toml"
+    path.write_text('[remote]\nurl = "redis+cluster://127.0.0.1:7001"\n' + MODELS_TOML)
+    cfg = load_config(str(path), env=ENV)
+    assert cfg.store.disk_k_axis == "token"
+    assert cfg.store.disk_models == (("meta-llama/Llama-3.1-8B*", "raw"), ("*-draft", "int4"), ("*", "int8"))
+    assert (cfg.remote.k_axis, cfg.remote.models) == ("token", (("*-draft", "raw"),))
+    # The same options inline in [store] / [remote], from the environment and from flags.
+    path.write_text('[store]\ndisk_k_axis = "token"\ndisk_models = { "a*" = "raw", "b*" = "int4" }\n'
+                    '[remote]\nk_axis = "token"\nmodels = { "c*" = "int2" }\n')
+    cfg = load_config(str(path), env=ENV)
+    assert (cfg.store.disk_k_axis, cfg.store.disk_models) == ("token", (("a*", "raw"), ("b*", "int4")))
+    assert (cfg.remote.k_axis, cfg.remote.models) == ("token", (("c*", "int2"),))
+    env = {**ENV, "KVTIER_STORE__DISK_K_AXIS": "channel", "KVTIER_STORE__DISK_MODELS": " x-*=raw , *-draft = int8,",
+           "KVTIER_REMOTE__K_AXIS": "channel", "KVTIER_REMOTE__MODELS": ""}
+    cfg = load_config(str(path), env=env)
+    assert (cfg.store.disk_k_axis, cfg.store.disk_models) == ("channel", (("x-*", "raw"), ("*-draft", "int8")))
+    assert (cfg.remote.k_axis, cfg.remote.models) == ("channel", ())
+    cfg = load_config(str(path), env=env, overrides={"store.disk_models": "m=int2", "remote.models": {"n": "raw"}})
+    assert (cfg.store.disk_models, cfg.remote.models) == ((("m", "int2"),), (("n", "raw"),))
+
+
+def test_tenants_share_the_daemons_tier_policy(tmp_path: Path) -> None:
+    path = tmp_path / "kvtier.toml"
+    path.write_text(MODELS_TOML + '[tenants.alice]\nhost_bytes = "1GiB"\ndisk_bytes = "1GiB"\n')
+    cfg = load_config(str(path), env=ENV)
+    alice = cfg.tenants[0].store_config(cfg.store, cfg.data_dir)
+    assert (alice.disk_k_axis, alice.disk_models) == (cfg.store.disk_k_axis, cfg.store.disk_models)
 
 
 def test_tiers_table_flags_and_environment_set_the_options(tmp_path: Path) -> None:
@@ -51,12 +100,37 @@ def test_tiers_table_flags_and_environment_set_the_options(tmp_path: Path) -> No
     ('[tiers]\ncodec = "int8"\n', "tiers"),
     ('[store]\ndisk_codec = "int8"\n[tiers.disk]\ncodec = "int8"\n', "set twice"),
     ('[store]\naccept_lossy = "no"\n', "accept_lossy"),
+    ('[tiers.disk]\nk_axis = "row"\n', "disk_k_axis"),
+    ('[tiers.disk]\nk_axis = 1\n', "disk_k_axis"),
+    ('[tiers.remote]\nk_axis = "row"\n', "remote.k_axis"),
+    ('[tiers.disk.models]\n"llama*" = "int3"\n', "store.disk_models (file .*[tiers.disk.models]): ['llama*']"),
+    ('[tiers.disk.models]\n"llama*" = 8\n', "store.disk_models (file .*): ['llama*']"),
+    ('[tiers.disk.models]\n"" = "raw"\n', "store.disk_models (file .*): pattern ''"),
+    ('[tiers.disk]\nmodels = "llama*=raw"\n', "store.disk_models (file .*): must be a table"),
+    ('[tiers.disk]\nmodels = 3\n', "store.disk_models"),
+    ('[tiers.remote.models]\n"x" = "int9"\n', "remote.models (file .*[tiers.remote.models]): ['x']"),
+    ('[store]\ndisk_models = {}\n[tiers.disk.models]\n"x" = "raw"\n', "store.disk_models is set twice"),
+    ('[tiers.host.models]\n"x" = "raw"\n', "[tiers.host]"),
 ])
 def test_bad_values_name_the_option(tmp_path: Path, text: str, words: str) -> None:
     path = tmp_path / "kvtier.toml"
     path.write_text(text)
-    with pytest.raises(ConfigError, match=words.replace("[", r"\[").replace("]", r"\]")):
+    pattern = words.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(").replace(")", r"\)")
+    with pytest.raises(ConfigError, match=pattern.replace("*", r"\*").replace(r".\*", ".*")):
         load_config(str(path), env=ENV)
+
+
+@pytest.mark.parametrize("name, value, words", [
+    ("KVTIER_STORE__DISK_MODELS", "llama", r"store.disk_models \(env KVTIER_STORE__DISK_MODELS\): 'llama' is not"),
+    ("KVTIER_STORE__DISK_MODELS", "llama=int3", r"store.disk_models \(env .*\['llama'\]"),
+    ("KVTIER_STORE__DISK_MODELS", "=raw", r"pattern ''"),
+    ("KVTIER_STORE__DISK_K_AXIS", "row", "disk_k_axis"),
+    ("KVTIER_REMOTE__MODELS", "a=raw,a=int8", r"remote.models \(env .*appears twice"),
+    ("KVTIER_REMOTE__K_AXIS", "row", "remote.k_axis"),
+])
+def test_bad_environment_values_name_the_option(name: str, value: str, words: str) -> None:
+    with pytest.raises(ConfigError, match=words):
+        load_config(env={**ENV, name: value})
 
 
 def test_the_remote_tier_takes_a_codec_from_its_table_the_environment_and_flags(tmp_path: Path) -> None:
@@ -84,6 +158,9 @@ def test_the_daemon_hands_the_remote_codec_to_each_store(tmp_path: Path) -> None
                     '[tiers.remote]\ncodec = "int8"\ncompression = "lz4"\n')
     options = remote_args(load_config(str(path), env=ENV), None)["remote_options"]
     assert (options.codec, options.compression) == ("int8", "lz4")
+    path.write_text('[remote]\nurl = "redis+cluster://127.0.0.1:7001"\n' + MODELS_TOML)
+    options = remote_args(load_config(str(path), env=ENV), "alice")["remote_options"]
+    assert (options.codec, options.k_axis, options.models) == ("int8", "token", (("*-draft", "raw"),))
 
 
 def test_a_tenant_may_have_its_own_accept_lossy(tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ from kvtier_protocol.namespace import Namespace
 
 from kvtier.daemon.remote.backend import RemoteKey
 from kvtier.daemon.remote.redis_cluster import RedisClusterBlocks, RedisClusterSettings
-from kvtier.daemon.store import moves, remote_link
+from kvtier.daemon.store import moves, remote_link, transfers
 from kvtier.daemon.store.config import StoreConfig
 from kvtier.daemon.store.remote_link import RemoteOptions
 from kvtier.daemon.store.store import TieredStore
@@ -35,6 +35,7 @@ from kvtier.daemon.store.types import Tier
 from tests.kvtier.daemon.store.storekit import Rec, put, read_block
 from tests.kvtier.daemon.store.test_remote_offer import cluster  # noqa: F401  (the module's cluster fixture)
 from tests.kvtier.daemon.store.test_store_precision import int8_bound, kv, kv_rec
+from tests.kvtier.daemon.store.test_store_precision_policy import per_token_int8_bound
 
 SHAPE = (2, 2, 4, 16, 32)  # canonical [L, 2, H, T, D] bfloat16: 16 KiB raw, about 8.5 KiB int8
 MHA = Namespace(model="remote-precision", revision="r1", attention="mha", num_layers=2, num_kv_heads=4,
@@ -202,11 +203,73 @@ async def test_records_the_codec_cannot_take_go_up_as_they_are(cluster: str, tmp
 
 
 def test_the_remote_codec_takes_the_records_the_disk_codec_takes() -> None:
-    assert remote_link.RECODE_DTYPES == moves.RECODE_DTYPES
+    assert remote_link.recode_choice is moves.recode_choice is transfers.recode_choice  # one rule
     with pytest.raises(ValueError, match="codec"):
         RemoteOptions(codec="int3")
     with pytest.raises(ValueError, match="compression"):
         RemoteOptions(codec="int8", compression="zstd")
+    with pytest.raises(ValueError, match="k_axis"):
+        RemoteOptions(codec="int8", k_axis="row")
+    with pytest.raises(ValueError, match=r"models\['x\*'\]"):
+        RemoteOptions(models={"x*": "int3"})
+    assert RemoteOptions(models={"b*": "int8", "a*": "raw"}).models == (("b*", "int8"), ("a*", "raw"))
+
+
+async def test_k_per_token_and_a_raw_model_on_the_remote_tier(cluster: str, tmp_path: Path) -> None:  # noqa: F811
+    """``k_axis = "token"`` uploads MHA blocks with K per token (SPEC 5.3's size), which a store
+    that never saw them fetches, verified, within int8's error; a model the ``models`` table keeps
+    raw goes up exact, and an exact-only lookup counts it where it counts no re-encoded block."""
+    prefix = "rprec" + secrets.token_hex(4)
+    rng = random.Random(11)
+    L, _, H, T, D = SHAPE
+    xs = [kv(rng, SHAPE, torch.bfloat16) for _ in range(2)]
+    mla_xs = [kv(rng, (2, 16, 72), torch.bfloat16) for _ in range(2)]
+    recs = [kv_rec(i, x, ns=MHA.ns_id) for i, x in enumerate(xs)]
+    mla_recs = [kv_rec(i, x, layout="mla-latent", ns=MLA.ns_id) for i, x in enumerate(mla_xs)]
+    options = dict(codec="int8", k_axis="token", models={MLA.model: "raw"})
+    a = TieredStore(_config(tmp_path, "a", 32), remote=_backend(cluster, prefix),
+                    remote_options=RemoteOptions(write_mode="through", **options))
+    probe = _backend(cluster, prefix)
+    await a.start()
+    try:
+        a.register_namespace(MHA)
+        a.register_namespace(MLA)
+        await _put(a, recs + mla_recs)
+        await _until("the uploads acknowledged", _settled(a, 4))
+        assert a.remote.counters.recoded == 2  # the MHA blocks only
+        values = await probe.get([RemoteKey.of("default", r.ns_id + r.chain_hash) for r in recs + mla_recs])
+        assert values[2:] == [r.header + r.payload for r in mla_recs]  # the raw model: exact
+        for x, value in zip(xs, values[:2]):
+            h, y = decode_block(value)
+            assert (h.codec, h.quant.k_axis, h.quant.k_group) == ("int8", "token", 0)
+            # SPEC 5.3: codes, then float16 scales and mins of one pair per (head, token) per part
+            assert h.payload_len == L * 2 * H * T * D + 2 * L * 2 * H * T * 2
+            assert bool(((y.double() - x.double()).abs() <= per_token_int8_bound(x).double()).all())
+    finally:
+        await a.close()
+
+    b = TieredStore(_config(tmp_path, "b", 8), remote=_backend(cluster, prefix),
+                    remote_options=RemoteOptions(write_mode="read-only", lookup_budget_s=30.0, **options))
+    await b.start()
+    try:
+        b.register_namespace(MLA)  # its model is known here: the table says raw
+        hashes = [r.chain_hash for r in recs]
+        assert await b.lookup_remote(MHA.ns_id, hashes, accept_lossy=False) == (0, [])
+        assert await b.lookup_remote(MLA.ns_id, [r.chain_hash for r in mla_recs], accept_lossy=False) == \
+            (2, ["remote"] * 2)
+        acq = await b.acquire(MHA.ns_id, hashes)  # a store that never saw the blocks: verified, served lossy
+        try:
+            assert [blk.chain_hash for blk in acq.blocks] == hashes
+            for x, blk in zip(xs, acq.blocks):
+                h, y = decode_block(blk.header + read_block(b, blk))
+                assert (h.codec, h.quant.k_axis) == ("int8", "token")
+                assert bool(((y.double() - x.double()).abs() <= per_token_int8_bound(x).double()).all())
+        finally:
+            b.release(acq.lease_id)
+        assert b.remote.counters.bad_values == {}
+    finally:
+        await b.close()
+        await probe.close()
 
 
 async def test_blocks_promoted_from_disk_go_up_re_encoded_where_the_cluster_lacks_them(

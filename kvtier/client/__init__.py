@@ -3,7 +3,7 @@
 Both speak the data plane of protocol/SPEC.md §7 over a unix socket (payloads through the
 daemon's shared memory, whose segments arrive as descriptors at hello) or over TCP (payloads
 inline, token required), and offer the same calls: ``lookup``, ``save``, ``load``, ``load_into``,
-``save_tensors``, ``load_tensors``, ``delete``, ``clear``, ``stats``, ``ping``, ``close``.
+``get``, ``save_tensors``, ``load_tensors``, ``delete``, ``clear``, ``stats``, ``ping``, ``close``.
 
 Given no address, a client connects to ``kvtier_protocol.address.default_address()``:
 ``$KVTIER_ADDRESS``, else ``$KVTIER_SOCKET``, else the socket ``kvtier serve`` listens on by default,
@@ -19,6 +19,7 @@ from kvtier_protocol.address import Address, parse_address
 from kvtier.client.aio import AsyncClient
 from kvtier.client.core import NO_HITS, LookupResult
 from kvtier.client.errors import ConnectionLost, TimedOut
+from kvtier.client.get import GotRecord
 from kvtier.client.options import ClientOptions
 from kvtier.client.session import Session
 from kvtier.client.sync import Client
@@ -32,5 +33,5 @@ connect_async = AsyncClient.connect
 
 __all__ = [
     "NO_HITS", "Address", "AsyncClient", "Client", "ClientOptions", "ConnectionLost",
-    "LookupResult", "Session", "TimedOut", "connect", "connect_async", "parse_address",
+    "GotRecord", "LookupResult", "Session", "TimedOut", "connect", "connect_async", "parse_address",
 ]

@@ -9,6 +9,7 @@ none of which touches a socket or an event loop::
                  (degrade to misses, hold-down); lookup, delete, clear, stats and ping flows
     save.py      every save: its checks, put (TCP), granted slots, reserve/copy/commit
     load.py      every load: load and load_into, get (TCP), acquire/copy/release
+    get.py       get: whole records inline on any connection, decoded by the daemon if asked
     grants.py    the pool of slots granted ahead of saves
     steps.py     what a flow yields (Call, Await), and FlowRun: a flow's steps as the driver's I/O
     retry.py     when a call retries, when it stops (Attempt), the hold-down
@@ -53,6 +54,7 @@ from kvtier_protocol.errors import FrameError, Unavailable
 
 from kvtier.client.behind import LateErrors
 from kvtier.client.errors import ConnectionLost
+from kvtier.client.get import GotRecord, decode_rest, prepare_get
 from kvtier.client.load import lossy_keys, prepare_load, prepare_load_into
 from kvtier.client.options import ClientOptions
 from kvtier.client.records import check_hashes, check_ns_id
@@ -223,6 +225,30 @@ class ClientCore:
         """
         return self._run(Job(partial(prepare_load, ns_id, hashes, accept_lossy), idempotent=True, degrade=degrade,
                              fallback=[]))
+
+    def get(self, ns_id: bytes, hashes: Sequence[bytes], *, decode: bool = False, degrade: bool = True,
+            accept_lossy: bool | None = None) -> list[GotRecord]:
+        """The verified records of the stored prefix of ``hashes``, fetched inline (the ``get``
+        operation, on a TCP or a unix socket connection alike; shorter on a miss).
+
+        Args:
+            decode: False: each record as the daemon stores it (its header's codec may be lossy,
+                e.g. int8 re-encoded on the disk tier, or its payload lz4-compressed). True: the
+                daemon decodes every lossy or compressed record into a raw record of the block's
+                dtype (same key, namespace, layout, shape; codec raw, a new checksum); a daemon
+                that ignores the request key sends them as stored and this client decodes them
+                (torch is imported then). Decoded or not, each result's ``decoded_from`` names
+                the codec of the stored copy it came from, and ``exact`` says whether the values
+                are the writer's: a block decoded from an int8 copy is raw in form, not in value.
+            accept_lossy: False: a lossy stored copy is a miss (the prefix ends there), decode or
+                not; None: the daemon's default. As for :meth:`load`.
+
+        Raises:
+            Unavailable: the daemon is unreachable or silent (only with ``degrade=False``).
+            InvalidKey: a malformed ns_id or hash.
+        """
+        return self._run(Job(partial(prepare_get, ns_id, hashes, decode, accept_lossy), idempotent=True,
+                             degrade=degrade, fallback=[], then=decode_rest if decode else None))
 
     def load_into(self, ns_id: bytes, hashes: Sequence[bytes], buffers: Sequence[Any], *,
                   degrade: bool = True, accept_lossy: bool | None = None) -> list[BlockHeader]:

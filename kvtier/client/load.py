@@ -117,18 +117,24 @@ def load_flow(s: Session, ns_id: bytes, hashes: list[bytes], accept_lossy: bool 
 
 
 def fetch_flow(s: Session, ns_id: bytes, hashes: list[bytes], take: TakeRecord[T],
-               accept_lossy: bool | None = None, landing: Landing | None = None) -> Flow[list[T]]:
+               accept_lossy: bool | None = None, landing: Landing | None = None,
+               decoded: list[str | None] | None = None) -> Flow[list[T]]:
     """get (records inline) → ``take(i, key, record)`` per returned record (None: corrupt, the
-    prefix ends there). TCP. ``landing``: the payloads may be received into its buffers."""
+    prefix ends there). TCP (or any connection: every daemon serves get). ``landing``: the
+    payloads may be received into its buffers. ``decoded``: not None asks the daemon to decode
+    lossy and compressed records (``decode: true``, SPEC §7.4 get) and receives, per item
+    returned, the response's ``decoded`` entry (the stored codec, or None: sent as stored)."""
     out: list[T] = []
     pos = 0
+    extra = {} if decoded is None else {"decode": True}
     while pos < len(hashes):
         chunk = hashes[pos:pos + s.limits.max_batch]
         into = None if landing is None else Landing(landing.dests, landing.digests, pos)
-        r = yield Call("get", {"ns_id": ns_id, "hashes": chunk, **lossy_keys(accept_lossy)}, into=into)
+        r = yield Call("get", {"ns_id": ns_id, "hashes": chunk, **lossy_keys(accept_lossy), **extra}, into=into)
         expect_len("get", r.lens, len(chunk))
         found, corrupt = 0, False
-        for i, (key, record) in enumerate(zip(chunk, r.records()), pos):
+        codecs = r.decoded if decoded is not None and r.decoded is not None else (None,) * len(chunk)
+        for i, (key, record, codec) in enumerate(zip(chunk, r.records(), codecs), pos):
             if record is None:
                 break
             item = take(i, key, record)
@@ -136,6 +142,8 @@ def fetch_flow(s: Session, ns_id: bytes, hashes: list[bytes], take: TakeRecord[T
                 corrupt = True
                 break
             out.append(item)
+            if decoded is not None:
+                decoded.append(codec)
             found += 1
         pos += found
         if found == len(chunk):

@@ -15,6 +15,7 @@ from kvtier_protocol.namespace import NS_DOMAIN, Namespace
 
 from kvtier.daemon.remote.backend import RemoteKey
 from kvtier.daemon.remote.verify import MissReason, verify_namespace, verify_record
+from kvtier.daemon.store.config import tier_quant
 from tests.kvtier.daemon.remote.remotekit import chain_hash, make_blocks, make_record, namespace_for
 
 NS = namespace_for(64 << 10)
@@ -102,7 +103,7 @@ def test_remote_keys_are_checked() -> None:
 # --- precision by tier (issue 25): re-encoded records of a raw namespace ---------------------------
 
 def _recoded(ns: Namespace, chain: bytes, codec: str = "int8", *, layout: str | None = None,
-             compression: str | None = None) -> bytes:
+             compression: str | None = None, k_axis: str = "channel") -> bytes:
     """The record a tier's re-encoding makes of block ``chain`` (raw bfloat16 KV of ``ns``)."""
     mla = ns.attention == "mla"
     shape = (ns.num_layers, ns.block_tokens, ns.head_dim + ns.mla_rope_dim) if mla else \
@@ -110,7 +111,8 @@ def _recoded(ns: Namespace, chain: bytes, codec: str = "int8", *, layout: str | 
     x = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     return encode_block(x, ns_id=ns.ns_id, chain_hash=chain, parent_hash=None,
                         layout=layout or ("mla-latent" if mla else "canonical"), codec=codec,
-                        mla_rope_dim=ns.mla_rope_dim if mla else 0, compression=compression)
+                        mla_rope_dim=ns.mla_rope_dim if mla else 0, compression=compression,
+                        quant=tier_quant(codec, k_axis, mla=mla))
 
 
 def _forge(record: bytes, **changes: object) -> bytes:
@@ -168,6 +170,19 @@ def test_a_re_encoding_must_be_one_the_tiers_produce() -> None:
     assert "compression" in refused(_forge(packed, compression=dataclasses.replace(ph.compression, alg="zstd")))
     # The good record still is a hit; without its namespace only identity and checksum count.
     assert verify_record(key, good, namespace=NS).ok and verify_record(key, good).ok
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4", "int2"])
+def test_a_re_encoding_with_k_per_token_is_a_hit_and_its_sections_must_fit_that_plan(codec: str) -> None:
+    # [tiers.remote] k_axis = "token": the plan of the header's own quant decides the sections.
+    key = RemoteKey("default", NS.ns_id, chain_hash(11))
+    good = _recoded(NS, key.chain_hash, codec, k_axis="token")
+    h, _ = decode_header(good)
+    assert h.quant is not None and h.quant.k_axis == "token"
+    assert verify_record(key, good, namespace=NS).ok
+    # The same bytes claiming K per channel: the scales no longer have the plan's length.
+    v = verify_record(key, _forge(good, quant=dataclasses.replace(h.quant, k_axis="channel")), namespace=NS)
+    assert v.reason is MissReason.WRONG_GEOMETRY and "plan" in v.detail
 
 
 def test_an_mla_re_encoding_keeps_the_namespaces_rope_dims_raw() -> None:

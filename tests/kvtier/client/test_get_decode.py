@@ -8,6 +8,8 @@ key (the toy peer), the client decodes what came back as stored."""
 from __future__ import annotations
 
 import asyncio
+import shutil
+import tempfile
 from collections.abc import Callable
 
 import pytest
@@ -80,3 +82,34 @@ def test_a_daemon_that_ignores_decode_gets_its_records_decoded_by_the_client(
         assert kv.save(NS_ID, blocks) == ["stored"] * len(blocks)
         check_decoded(kv.get(NS_ID, hashes, decode=True), blocks)
         assert [g.record for g in kv.get(NS_ID, hashes)] == [r for _, r in blocks]
+
+
+def test_a_block_the_daemon_re_encoded_int8_for_disk_comes_back_decoded() -> None:
+    """``kvtier serve`` with ``KVTIER_STORE__DISK_CODEC=int8``: a block the host tier (64 MiB)
+    evicted to disk is stored int8 by the daemon; a TCP get with ``decode`` returns it raw, decoded
+    from int8, its tensor that of the stored int8 record."""
+    directory = tempfile.mkdtemp(prefix="kvd-", dir="/tmp")
+    d = Daemon(directory, env={"KVTIER_STORE__DISK_CODEC": "int8"}).start()
+    try:
+        g = torch.Generator().manual_seed(2)
+        keys = [key(i, b"demoted") for i in range(80)]  # 80 blocks of 1 MiB: the first ones are demoted
+        blocks = [(k, encode_block(torch.randn(32, 2, 8, 16, 64, generator=g).to(torch.bfloat16), ns_id=NS_ID,
+                                   chain_hash=k, parent_hash=keys[i - 1] if i else None, layout="canonical"))
+                  for i, k in enumerate(keys)]
+        with Client.connect(d.tcp, token=d.token) as kv:
+            for i in range(0, 80, 8):
+                assert kv.save(NS_ID, blocks[i:i + 8]) == ["stored"] * 8
+            assert kv.lookup(NS_ID, keys[:1]).tiers == ("disk",)
+            (stored,) = kv.get(NS_ID, keys[:1])
+            assert stored.header.codec == "int8" and not stored.exact
+            (got,) = kv.get(NS_ID, keys[:1], decode=True)
+            assert (got.decoded_from, got.exact, got.header.codec, got.header.dtype) == ("int8", False, "raw", "bfloat16")
+            assert len(got.record) == len(blocks[0][1])  # the raw record's size again
+            decoded = decode_block(got.record)[1]
+            assert torch.equal(decoded, decode_block(stored.record)[1])
+            original = decode_block(blocks[0][1])[1].float()
+            assert (decoded.float() - original).abs().max() <= original.abs().max() / 64  # int8's error, not garbage
+            assert kv.get(NS_ID, keys[:1], decode=True, accept_lossy=False) == []
+    finally:
+        d.stop()
+        shutil.rmtree(directory, ignore_errors=True)

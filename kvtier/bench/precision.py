@@ -23,14 +23,24 @@ Random weights give near-uniform next-token distributions that hide errors, so t
 scaled (the smallest factor of LM_HEAD_SCALES whose greedy continuation has a mean entropy below
 ENTROPY_TARGET nats); the scale and the measured entropy are reported.
 
-Rows, per model and chain: ``top-1 agreement`` (%), ``KL to raw`` (mean KL(p_raw || p_chain),
-nats, next to the 1e-3 target), ``max logit error`` (max |logit - raw logit| over positions and
-vocabulary, next to the raw logits' standard deviation), ``tokens per GiB`` (from the records'
-sizes, header included, next to raw's). And per model its ``entropy`` and ``lm head scale``.
+Each model runs in each of ``--dtypes`` (weights and KV; default bfloat16, what engines store, and
+float32). The ``ulp`` chain moves every other KV element by one unit in the last place of its
+dtype (:func:`nudge_ulp`): the smallest change a stored block can carry, so its KL is the floor
+set by the engine's own rounding — in bfloat16 about as large as int8's whole error, in float32
+far below it. Cases are ``<model> <bf16|f32> <chain>``.
+
+Rows, per model, dtype and chain: ``top-1 agreement`` (%), ``KL to raw`` (mean KL(p_raw ||
+p_chain), nats, next to the 1e-3 target), ``KL over the ulp floor`` (the same KL next to the
+``ulp`` chain's, when that chain runs), ``max logit error`` (max |logit - raw logit| over positions
+and vocabulary, next to the raw logits' standard deviation), ``tokens per GiB`` (from the records'
+sizes, header included, next to raw's). And per model and dtype its ``entropy`` and ``lm head
+scale``.
 
 Two more parts run the daemon's store (:class:`~kvtier.daemon.store.store.TieredStore`: a
-shared-memory host tier and an O_DIRECT disk tier in a temporary directory) with
-``disk_codec = "raw"`` (the baseline) and ``"int8"`` (raw in host, int8 below it) side by side:
+shared-memory host tier and an O_DIRECT disk tier in a temporary directory) with a raw disk tier
+(the baseline) and each lossy disk tier of ``--disk-codecs`` (raw in host, the codec below it:
+``int8``, ``int8/token`` with K per token, ``int8+lz4``) side by side; each metric below is named
+after the lossy tier, e.g. ``demotion throughput int8/token``:
 
 * ``demotion`` (``--parts``): the host tier holds ``--demotion-host-blocks`` blocks of a
   Llama-3-8B-shaped KV block (32 layers, 8 KV heads of 128, 16 tokens: 2 MiB of bfloat16; --quick
@@ -90,6 +100,7 @@ DESCRIPTION = ("top-1 agreement, KL and max logit error of lossy KV codecs (refe
 
 CHAINS: dict[str, tuple[str, ...]] = {
     "raw": ("raw",),
+    "ulp": ("ulp",),
     "raw>int8": ("raw", "int8"),
     "raw>int8>int8": ("raw", "int8", "int8"),
     "raw>int8/token": ("raw", "int8/token"),
@@ -99,7 +110,11 @@ CHAINS: dict[str, tuple[str, ...]] = {
 """Codec chains: each codec encodes the previous one's decoded tensor (host raw -> disk int8 -> a
 remote tier re-encoding what it read). ``int8/token``: int8 with K, like V, one scale per token
 (whole-row groups): smaller than the default per-channel K on short blocks (SPEC 5.9), at the
-cost of KIVI's outlier channels."""
+cost of KIVI's outlier channels. ``ulp`` is no codec but the floor: see :func:`nudge_ulp`."""
+DTYPES = ("bfloat16", "float32")
+"""KV (and weight) dtypes of the quality part, each a run of every chain. bfloat16 is what engines
+store; float32 shows a codec's own error apart from the engine's bf16 rounding (``ulp`` rows)."""
+DTYPE_TAGS = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
 LM_HEAD_SCALES = (1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0)
 ENTROPY_TARGET = 2.0
 """nats: the next-token distribution must be at least this peaked (the issue's bar)."""
@@ -110,6 +125,27 @@ TAIL_TOKENS = 5
 last position always reads the (modified) prefix."""
 NS_ID = bytes(16)
 PARTS = ("quality", "demotion", "zipf")
+
+
+@dataclass(frozen=True, slots=True)
+class DiskCodec:
+    """A disk tier's precision setting in the store parts (StoreConfig ``disk_codec``,
+    ``disk_k_axis``, ``disk_compression``)."""
+
+    codec: str
+    k_axis: str = "channel"
+    compression: str = "none"
+
+
+DISK_CODECS: dict[str, DiskCodec] = {
+    "int8": DiskCodec("int8"),
+    "int8/token": DiskCodec("int8", k_axis="token"),
+    "int8+lz4": DiskCodec("int8", compression="lz4"),
+}
+"""The lossy disk tiers the store parts run next to a raw one (``--disk-codecs``): int8 with the
+SPEC's default axes (K per channel), with K per token (``[tiers.disk] k_axis = "token"``: 1.94x
+raw at 16-token blocks instead of 1.75x), and int8 followed by the lz4 stage."""
+RAW_DISK = DiskCodec("raw")
 DEMOTION_BATCH = 4
 """Blocks per put in the demotion fill: each put evicts as many host blocks to disk."""
 
@@ -134,8 +170,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-blocks", type=int, default=None,
                         help="full blocks of stored prefix (default 8; --quick 4)")
     parser.add_argument("--block-tokens", type=int, default=16, help="tokens per block (default 16)")
-    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
-                        help="weights and KV dtype (default bfloat16, what engines store)")
+    parser.add_argument("--dtypes", default=",".join(DTYPES),
+                        help="comma-separated weights and KV dtypes of the quality part, each a run of every "
+                             "chain (of bfloat16, float16, float32; default bfloat16,float32)")
     parser.add_argument("--chains", default=",".join(CHAINS), help="comma-separated chains of " + ", ".join(CHAINS))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--parts", default=",".join(PARTS),
@@ -151,6 +188,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--zipf-s", type=float, default=1.0, help="Zipf exponent (default 1.0)")
     parser.add_argument("--zipf-host-blocks", type=int, default=None,
                         help="host tier of the Zipf runs, in blocks (default 16; --quick 4)")
+    parser.add_argument("--disk-codecs", default=",".join(DISK_CODECS),
+                        help="comma-separated lossy disk tiers the demotion and Zipf parts run next to raw, of "
+                             + ", ".join(DISK_CODECS) + " (default all)")
     parser.add_argument("--store-block-tokens", type=int, default=16,
                         help="tokens per block of the demotion and Zipf parts (default 16)")
     parser.add_argument("--prefill-tokens-per-s", type=float, default=10000.0,
@@ -195,6 +235,10 @@ class PrefixKV:
         for page in self.pages:
             block = self.read(page)
             for name in chain:
+                if name == "ulp":
+                    block = nudge_ulp(block, seed=page)
+                    record = block.contiguous().view(torch.uint8).reshape(-1)  # its size: a raw payload
+                    continue
                 codec, _, axis = name.partition("/")
                 quant = QuantParams(8, axis, axis, 0, 0, "float16", self.rope) if axis else None
                 record = encode_block(block, ns_id=NS_ID, chain_hash=page.to_bytes(8, "little") + bytes(8),
@@ -204,6 +248,29 @@ class PrefixKV:
             nbytes += len(record)
             self.write(page, block)
         return nbytes / (len(self.pages) * self.engine.block_tokens)
+
+
+def nudge_ulp(block: torch.Tensor, *, seed: int) -> torch.Tensor:
+    """``block`` with each element moved, with probability 1/2, to a neighbouring value of its
+    dtype (one unit in the last place, up or down in magnitude at random); zeros, infinities and
+    NaNs are left alone.
+
+    The smallest change a stored block of that dtype can carry: what it does to the logits is the
+    floor under every lossy codec, the noise of the engine's own rounding (a recompute in another
+    batch shape moves KV by about this much). A codec whose KL sits at this floor cannot be told
+    from a perturbation of one ulp.
+    """
+    bits_dtype = {2: torch.int16, 4: torch.int32}[block.element_size()]
+    gen = torch.Generator().manual_seed(seed)
+    bits = block.contiguous().view(bits_dtype)
+    magnitude = bits & torch.iinfo(bits_dtype).max  # sign bit cleared: the step is in magnitude
+    finfo = torch.finfo(block.dtype)
+    movable = (block != 0) & torch.isfinite(block) & (block.abs() < finfo.max)
+    step = torch.randint(0, 2, block.shape, generator=gen, dtype=bits_dtype)  # 1/2 of the elements
+    step *= torch.randint(0, 2, block.shape, generator=gen, dtype=bits_dtype) * 2 - 1  # +-1 ulp
+    # magnitude 1 - 1 = 0 would be a zero (allowed: the neighbour of the smallest subnormal)
+    moved = torch.where(movable, (magnitude + step) | (bits & ~torch.iinfo(bits_dtype).max), bits)
+    return moved.view(block.dtype)
 
 
 def _engine(model_dir: Path, dtype: torch.dtype, block_tokens: int, scale: float) -> Engine:
@@ -233,13 +300,14 @@ def _score(engine: Engine, prompt: list[int], ref: list[int], chain: Sequence[st
     return Scored(torch.stack(rows).float(), per_token)
 
 
-def _measure_model(name: str, cfg: ModelConfig, work: Path, args: argparse.Namespace, chains: list[str],
-                   result: SuiteResult) -> None:
-    dtype = getattr(torch, args.dtype)
+def _measure_model(model: str, cfg: ModelConfig, dtype_name: str, work: Path, args: argparse.Namespace,
+                   chains: list[str], result: SuiteResult) -> None:
+    dtype = getattr(torch, dtype_name)
+    name = f"{model} {DTYPE_TAGS[dtype_name]}"
     tokens = args.tokens or (16 if args.quick else 64)
     blocks = args.prefix_blocks or (4 if args.quick else 8)
     bt = args.block_tokens
-    model_dir = work / name
+    model_dir = work / f"{model}-{dtype_name}"
     make_random_checkpoint(model_dir, cfg, seed=args.seed, dtype=dtype)
     gen = torch.Generator().manual_seed(args.seed + 1)
     prompt = torch.randint(0, cfg.vocab_size, (blocks * bt + TAIL_TOKENS,), generator=gen).tolist()
@@ -263,18 +331,25 @@ def _measure_model(name: str, cfg: ModelConfig, work: Path, args: argparse.Names
                                ENTROPY_TARGET / entropy if entropy else math.inf))
         result.rows.append(Row(name, "lm head scale", "x", scale, "checkpoint", 1.0, scale))
         std = float(base.logits.std())
-        for chain in chains:
+        floor = None  # the ulp chain's KL, once measured: it runs first when asked for
+        for chain in sorted(chains, key=lambda c: c != "ulp"):
             progress(f"precision: {name}: {chain}")
             got = base if chain == "raw" else _score(engine, prompt, ref, CHAINS[chain], blocks)
             agree = float((got.logits.argmax(-1) == base.logits.argmax(-1)).double().mean()) * 100.0
             logq = torch.log_softmax(got.logits.double(), -1)
             kl = float((p_ref.exp() * (p_ref - logq)).sum(-1).mean().clamp_min(0.0))
+            if chain == "ulp":
+                floor = kl
             err = float((got.logits - base.logits).abs().max())
             case = f"{name} {chain}"
             result.rows.append(Row(case, "top-1 agreement", "%", agree, "target", AGREEMENT_TARGET,
                                    agree / AGREEMENT_TARGET))
             result.rows.append(Row(case, "KL to raw", "nats", kl, "target", KL_TARGET,
                                    KL_TARGET / kl if kl > 0 else math.inf))
+            if floor is not None and chain not in ("raw", "ulp"):
+                # how far above the dtype's own one-ulp noise: ratio < 1 means above the floor
+                result.rows.append(Row(case, "KL over the ulp floor", "nats", kl, "one-ulp nudge", floor,
+                                       floor / kl if kl > 0 else math.inf))
             result.rows.append(Row(case, "max logit error", "logit", err, "raw logit std", std,
                                    std / err if err > 0 else math.inf))
             tpg = 2**30 / got.bytes_per_token
@@ -327,13 +402,13 @@ def _records(shape: tuple[int, ...], docs: int, blocks: int, seed: int, tag: byt
     return out
 
 
-def _store_config(work: Path, codec: str, host_bytes: int, disk_bytes: int) -> StoreConfig:
+def _store_config(work: Path, codec: DiskCodec, host_bytes: int, disk_bytes: int) -> StoreConfig:
     """A store with ``host_bytes`` of host memory and ``disk_bytes`` of disk under ``work``, raw
-    records re-encoded with ``codec`` on their way to disk. No commit scrub: both runs skip it."""
+    records re-encoded with ``codec`` on their way to disk. No commit scrub: every run skips it."""
     return StoreConfig(host_bytes=host_bytes, host_segment_bytes=host_bytes,
                        host_name_prefix=f"kvtier-bench-precision-{os.getpid()}", host_prefault=False,
-                       host_pin=False, disk_path=str(work), disk_bytes=disk_bytes, disk_codec=codec,
-                       scrub_commits=False)
+                       host_pin=False, disk_path=str(work), disk_bytes=disk_bytes, disk_codec=codec.codec,
+                       disk_k_axis=codec.k_axis, disk_compression=codec.compression, scrub_commits=False)
 
 
 async def _put(store: TieredStore, blocks: Sequence[Block]) -> None:
@@ -361,7 +436,7 @@ class Demotion:
     tokens_per_gib: float
 
 
-async def _demotion_once(work: Path, codec: str, blocks: list[Block], hold: int,
+async def _demotion_once(work: Path, codec: DiskCodec, blocks: list[Block], hold: int,
                          block_tokens: int) -> Demotion:
     """Fill a store whose host tier holds ``hold`` blocks with ``blocks``: the puts after the
     first ``hold`` each evict (demote) as many blocks to disk. Timed from the first evicting put."""
@@ -381,29 +456,36 @@ async def _demotion_once(work: Path, codec: str, blocks: list[Block], hold: int,
         return Demotion(demoted / seconds / 2**20, _disk_tokens_per_gib(store, block_tokens))
 
 
-def _demotion_rows(loop: asyncio.AbstractEventLoop, work: Path, args: argparse.Namespace, reps: int) -> list[Row]:
+def _demotion_rows(loop: asyncio.AbstractEventLoop, work: Path, args: argparse.Namespace, reps: int,
+                   variants: list[str]) -> list[Row]:
     bt = args.store_block_tokens
     shape = (4, 2, 2, bt, 64) if args.quick else (32, 2, 8, bt, 128)
     count = args.demotion_blocks or (12 if args.quick else 64)
     hold = args.demotion_host_blocks
     blocks = _records(shape, 1, hold + count, args.seed, b"demotion")[0]
     size = len(blocks[0][2])
-    progress(f"precision: demotion of {count} blocks of {size / 2**20:.3g} MiB, host {hold} blocks, raw vs int8")
-    runs: dict[str, list[Demotion]] = {"raw": [], "int8": []}
-
-    def once(codec: str) -> float:
-        got = loop.run_until_complete(_demotion_once(work / codec, codec, blocks, hold, bt))
-        runs[codec].append(got)
-        return got.mib_s
-
-    alternate(lambda: once("int8"), lambda: once("raw"), repetitions=reps)
     case = f"demotion {size / 2**20:.3g} MiB blocks"
-    raw_tpg = Samples([r.tokens_per_gib for r in runs["raw"]]).median
-    tpg = Samples([r.tokens_per_gib for r in runs["int8"]]).median
-    # alternate()'s warm-up run of each is left out of the throughput
-    return [throughput_row(case, "demotion throughput int8", "MiB/s", Samples([r.mib_s for r in runs["int8"][1:]]),
-                           "raw demotion", Samples([r.mib_s for r in runs["raw"][1:]])),
-            Row(case, "tokens per GiB of disk int8", "tokens", tpg, "raw", raw_tpg, tpg / raw_tpg)]
+    rows: list[Row] = []
+    for variant in variants:
+        progress(f"precision: demotion of {count} blocks of {size / 2**20:.3g} MiB, host {hold} blocks, "
+                 f"raw vs {variant}")
+        runs: dict[str, list[Demotion]] = {"raw": [], variant: []}
+
+        def once(name: str, codec: DiskCodec) -> float:
+            got = loop.run_until_complete(_demotion_once(work / "tier", codec, blocks, hold, bt))
+            runs[name].append(got)
+            return got.mib_s
+
+        # each variant against its own raw runs, alternating: the machine's drift hits both
+        alternate(lambda: once(variant, DISK_CODECS[variant]), lambda: once("raw", RAW_DISK), repetitions=reps)
+        raw_tpg = Samples([r.tokens_per_gib for r in runs["raw"]]).median
+        tpg = Samples([r.tokens_per_gib for r in runs[variant]]).median
+        # alternate()'s warm-up run of each is left out of the throughput
+        rows.append(throughput_row(case, f"demotion throughput {variant}", "MiB/s",
+                                   Samples([r.mib_s for r in runs[variant][1:]]),
+                                   "raw demotion", Samples([r.mib_s for r in runs["raw"][1:]])))
+        rows.append(Row(case, f"tokens per GiB of disk {variant}", "tokens", tpg, "raw", raw_tpg, tpg / raw_tpg))
+    return rows
 
 
 @dataclass(slots=True)
@@ -423,7 +505,7 @@ def zipf_sequence(docs: int, requests: int, s: float, seed: int) -> list[int]:
     return rng.choices(range(docs), weights=[1.0 / (k + 1) ** s for k in range(docs)], k=requests)
 
 
-async def _zipf_once(work: Path, codec: str, docs: list[list[Block]], order: list[int],
+async def _zipf_once(work: Path, codec: DiskCodec, docs: list[list[Block]], order: list[int],
                      host_blocks: int, disk_bytes: int, block_tokens: int, prefill_tps: float) -> ZipfRun:
     """The requests of ``order`` (document indices) against a fresh store with ``codec`` below
     host: load the stored prefix of each (acquire, decode every block, release), then put the
@@ -454,7 +536,8 @@ async def _zipf_once(work: Path, codec: str, docs: list[list[Block]], order: lis
     return run
 
 
-def _zipf_rows(loop: asyncio.AbstractEventLoop, work: Path, args: argparse.Namespace, reps: int) -> list[Row]:
+def _zipf_rows(loop: asyncio.AbstractEventLoop, work: Path, args: argparse.Namespace, reps: int,
+               variants: list[str]) -> list[Row]:
     bt = args.store_block_tokens
     shape = (2, 2, 2, bt, 64) if args.quick else (32, 2, 8, bt, 128)
     ndocs = args.zipf_docs or (24 if args.quick else 64)
@@ -466,37 +549,42 @@ def _zipf_rows(loop: asyncio.AbstractEventLoop, work: Path, args: argparse.Names
     # Host and disk together hold about half the documents' raw bytes: the tiers decide the hit rate.
     disk_bytes = max(total // 2 - host_blocks * size, 4 * (size + 8192))
     order = zipf_sequence(ndocs, nreq, args.zipf_s, args.seed)
-    progress(f"precision: zipf s={args.zipf_s:g}: {nreq} requests over {ndocs} documents of "
-             f"{args.zipf_doc_blocks} x {size / 2**10:.0f} KiB blocks ({total / 2**20:.0f} MiB), host "
-             f"{host_blocks} blocks, disk {disk_bytes / 2**20:.0f} MiB, raw vs int8")
-    runs: dict[str, list[ZipfRun]] = {"raw": [], "int8": []}
-
-    def once(codec: str) -> float:
-        got = loop.run_until_complete(_zipf_once(work / codec, codec, docs, order, host_blocks, disk_bytes, bt,
-                                                 args.prefill_tokens_per_s))
-        runs[codec].append(got)
-        return sum(got.ttft_ms) / len(got.ttft_ms)
-
-    # The hit rate is the same run after run (one request sequence, no clock in the policy); the
-    # TTFT's measured part is not: alternating runs, medians, spreads.
-    lossy_ttft, raw_ttft = alternate(lambda: once("int8"), lambda: once("raw"), repetitions=reps, warmup=0)
-    raw, lossy = runs["raw"][-1], runs["int8"][-1]
     case = f"zipf s={args.zipf_s:g} {ndocs}x{args.zipf_doc_blocks} blocks"
-    hit, raw_hit = 100.0 * lossy.hit / lossy.requested, 100.0 * raw.hit / raw.requested
-    return [Row(case, "hit rate int8", "%", hit, "raw", raw_hit, hit / raw_hit if raw_hit else math.inf),
-            latency_row(case, "mean TTFT int8", "ms", lossy_ttft, "raw", raw_ttft),
-            Row(case, "tokens per GiB of disk int8", "tokens", lossy.tokens_per_gib, "raw", raw.tokens_per_gib,
-                lossy.tokens_per_gib / raw.tokens_per_gib)]
+    rows: list[Row] = []
+    for variant in variants:
+        progress(f"precision: zipf s={args.zipf_s:g}: {nreq} requests over {ndocs} documents of "
+                 f"{args.zipf_doc_blocks} x {size / 2**10:.0f} KiB blocks ({total / 2**20:.0f} MiB), host "
+                 f"{host_blocks} blocks, disk {disk_bytes / 2**20:.0f} MiB, raw vs {variant}")
+        runs: dict[str, list[ZipfRun]] = {"raw": [], variant: []}
+
+        def once(name: str, codec: DiskCodec) -> float:
+            got = loop.run_until_complete(_zipf_once(work / "tier", codec, docs, order, host_blocks, disk_bytes, bt,
+                                                     args.prefill_tokens_per_s))
+            runs[name].append(got)
+            return sum(got.ttft_ms) / len(got.ttft_ms)
+
+        # The hit rate is the same run after run (one request sequence, no clock in the policy);
+        # the TTFT's measured part is not: alternating runs, medians, spreads.
+        lossy_ttft, raw_ttft = alternate(lambda: once(variant, DISK_CODECS[variant]), lambda: once("raw", RAW_DISK),
+                                         repetitions=reps, warmup=0)
+        raw, lossy = runs["raw"][-1], runs[variant][-1]
+        hit, raw_hit = 100.0 * lossy.hit / lossy.requested, 100.0 * raw.hit / raw.requested
+        rows += [Row(case, f"hit rate {variant}", "%", hit, "raw", raw_hit, hit / raw_hit if raw_hit else math.inf),
+                 latency_row(case, f"mean TTFT {variant}", "ms", lossy_ttft, "raw", raw_ttft),
+                 Row(case, f"tokens per GiB of disk {variant}", "tokens", lossy.tokens_per_gib, "raw",
+                     raw.tokens_per_gib, lossy.tokens_per_gib / raw.tokens_per_gib)]
+    return rows
 
 
-def _store_rows(args: argparse.Namespace, parts: list[str], work: Path, result: SuiteResult) -> None:
+def _store_rows(args: argparse.Namespace, parts: list[str], variants: list[str], work: Path,
+                result: SuiteResult) -> None:
     reps = args.repetitions or (1 if args.quick else 5)
     loop = asyncio.new_event_loop()
     try:
         if "demotion" in parts:
-            result.rows.extend(_demotion_rows(loop, work / "demotion", args, reps))
+            result.rows.extend(_demotion_rows(loop, work / "demotion", args, reps, variants))
         if "zipf" in parts:
-            result.rows.extend(_zipf_rows(loop, work / "zipf", args, max(1, reps // 2)))
+            result.rows.extend(_zipf_rows(loop, work / "zipf", args, max(1, reps // 2), variants))
     finally:
         loop.close()
 
@@ -506,20 +594,29 @@ def run(args: argparse.Namespace) -> SuiteResult:
     for c in chains:
         if c not in CHAINS:
             raise SystemExit(f"unknown chain {c!r}; choose from {', '.join(CHAINS)}")
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    for d in dtypes:
+        if d not in DTYPE_TAGS:
+            raise SystemExit(f"unknown dtype {d!r}; choose from {', '.join(DTYPE_TAGS)}")
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     for p in parts:
         if p not in PARTS:
             raise SystemExit(f"unknown part {p!r}; choose from {', '.join(PARTS)}")
+    variants = [v.strip() for v in args.disk_codecs.split(",") if v.strip()]
+    for v in variants:
+        if v not in DISK_CODECS:
+            raise SystemExit(f"unknown disk codec {v!r}; choose from {', '.join(DISK_CODECS)}")
     result = SuiteResult("precision")
     work = Path(tempfile.mkdtemp(prefix="kvtier-bench-precision-", dir="/tmp"))
     try:
         if "quality" in parts:
-            for name, cfg in models(bool(args.quick)).items():
-                _measure_model(name, cfg, work, args, chains, result)
-        _store_rows(args, parts, work, result)
+            for dtype_name in dtypes:
+                for name, cfg in models(bool(args.quick)).items():
+                    _measure_model(name, cfg, dtype_name, work, args, chains, result)
+        _store_rows(args, parts, variants, work, result)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return result
 
 
-__all__ = ["CHAINS", "DESCRIPTION", "PARTS", "PrefixKV", "add_arguments", "models", "run", "zipf_sequence"]
+__all__ = ["CHAINS", "DESCRIPTION", "DISK_CODECS", "DTYPES", "DiskCodec", "nudge_ulp", "PARTS", "PrefixKV", "add_arguments", "models", "run", "zipf_sequence"]

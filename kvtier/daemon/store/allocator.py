@@ -244,6 +244,50 @@ class SlabAllocator:
         self._requested += nbytes
         return _new_slot(Slot, (slab.segment, offset, nbytes))
 
+    def allocate_run(self, nbytes: int, count: int) -> list[Slot]:
+        """Up to ``count`` slots of ``nbytes``, as :meth:`allocate` would hand them out one by one,
+        stopping at the first that finds no room (so possibly fewer, possibly none).
+
+        A grant's batch of same-sized slots: the slab's free slots are popped in one loop, and
+        the slots of one slab share one (read-only) record of what they took.
+
+        Raises:
+            CapacityError: as :meth:`allocate`.
+        """
+        out: list[Slot] = []
+        if count <= 0:
+            return out
+        first = self.allocate(nbytes)  # the size-class memo, the checks, the first slab
+        if first is None:
+            return out
+        out.append(first)
+        cb = self._last_class
+        if cb > self.slab_bytes:  # dedicated extents: each one a best fit of its own
+            while len(out) < count:
+                slot = self._allocate_extent(nbytes, cb)
+                if slot is None:
+                    break
+                out.append(slot)
+            return out
+        live, partial_of, new_slot, append = self._live, self._partial, _new_slot, out.append
+        while len(out) < count:
+            partial = partial_of.get(cb)
+            slab = next(iter(partial)) if partial else self._new_slab(cb)
+            if slab is None:
+                break
+            free, seg, base = slab.free, slab.segment, slab.offset
+            took = new_slot(_Live, (slab, cb, nbytes))
+            n = min(len(free), count - len(out))
+            for _ in range(n):
+                offset = base + free.pop() * cb
+                live[(seg, offset)] = took
+                append(new_slot(Slot, (seg, offset, nbytes)))
+            if not free:
+                del partial_of[cb][slab]
+            self._allocated += n * cb
+            self._requested += n * nbytes
+        return out
+
     def free(self, slot: Slot) -> None:
         """Give a slot back.
 

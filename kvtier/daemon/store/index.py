@@ -83,18 +83,25 @@ class BlockMeta:
         return 1 + self.hits + self.prior_accesses
 
     def in_tier(self, tier: Tier) -> bool:
-        if tier is Tier.HOST:
+        if tier is _HOST:  # module constants: Enum member access is a slow path in Python 3.11
             return self.host_slot is not None
-        if tier is Tier.DISK:
+        if tier is _DISK:
             return self.on_disk
-        if tier is Tier.GPU:
+        if tier is _GPU:
             return self.gpu_slot is not None
         return False
 
     @property
     def tiers(self) -> list[Tier]:
-        """Tiers holding a copy, fastest first."""
-        return [t for t in TIERS if self.in_tier(t)]
+        """Tiers holding a copy, fastest first (unrolled: every copy freed asks it)."""
+        out = []
+        if self.gpu_slot is not None:
+            out.append(_GPU)
+        if self.host_slot is not None:
+            out.append(_HOST)
+        if self.on_disk:
+            out.append(_DISK)
+        return out
 
     @property
     def shown_tiers(self) -> list[Tier]:
@@ -115,7 +122,7 @@ class BlockMeta:
 
     def charge(self, tier: Tier) -> int:
         """Bytes this block occupies in ``tier`` (see module docstring)."""
-        return len(self.header) + self.size if tier is Tier.DISK else self.size
+        return len(self.header) + self.size if tier is _DISK else self.size
 
 
 class BlockIndex:
@@ -233,6 +240,40 @@ class BlockIndex:
         self.used[tier] += size
         self.count[tier] += 1
         return meta
+
+    def add_reserved_many(self, keys: Sequence[BlockKey], size: int, tier: Tier, slots: Sequence[Slot],
+                          priority: int) -> list[BlockMeta]:
+        """:meth:`add_reserved` of ``keys[i]`` at ``slots[i]`` (one size, no prior accesses), for
+        as many keys as there are slots: a grant's batch, with the charges and the pending count
+        updated once for it."""
+        blocks, by_ns = self._blocks, self._by_ns
+        n = len(slots)
+        assert 0 <= priority < self.num_classes, "priority out of range"
+        assert tier is _HOST or tier is _GPU, "memory tiers take a slot"
+        assert self.used[tier] + n * size <= self.capacity[tier], f"{tier.name} capacity exceeded"
+        out: list[BlockMeta] = []
+        append = out.append
+        host = tier is _HOST
+        ns_id: bytes | None = None
+        ns_keys: set[BlockKey] = set()
+        for key, slot in zip(keys, slots):
+            assert key not in blocks, "key already indexed"
+            meta = (BlockMeta(key, size, host_slot=slot, priority=priority, leases=1, linked=True) if host
+                    else BlockMeta(key, size, gpu_slot=slot, priority=priority, leases=1, linked=True))
+            blocks[key] = meta
+            if key[:NS_ID_LEN] != ns_id:  # a grant's keys share one (placeholder) namespace
+                ns_id = key[:NS_ID_LEN]
+                got = by_ns.get(ns_id)
+                if got is None:
+                    got = by_ns[ns_id] = set()
+                ns_keys = got
+            ns_keys.add(key)
+            append(meta)
+        assert len(out) == n, "one key per slot"
+        self.pending += n
+        self.used[tier] += n * size
+        self.count[tier] += n
+        return out
 
     def rename(self, meta: BlockMeta, key: BlockKey, prior_accesses: int) -> None:
         """Move a pending block to ``key``: a granted slot (under a placeholder key, see
@@ -357,12 +398,12 @@ class BlockIndex:
     def place(self, meta: BlockMeta, tier: Tier, slot: Slot | None = None) -> None:
         """Record a copy of ``meta`` in ``tier`` and charge its bytes."""
         assert not meta.in_tier(tier), f"block already in {tier.name}"
-        assert (slot is None) == (tier is Tier.DISK), "memory tiers take a slot, disk none"
+        assert (slot is None) == (tier is _DISK), "memory tiers take a slot, disk none"
         nbytes = meta.charge(tier)
         assert self.used[tier] + nbytes <= self.capacity[tier], f"{tier.name} capacity exceeded"
-        if tier is Tier.HOST:
+        if tier is _HOST:
             meta.host_slot = slot
-        elif tier is Tier.GPU:
+        elif tier is _GPU:
             meta.gpu_slot = slot
         else:
             meta.on_disk = True
@@ -374,10 +415,10 @@ class BlockIndex:
         """Forget the copy in ``tier``, release its charge, return its slot for the caller to free."""
         assert meta.in_tier(tier), f"block not in {tier.name}"
         slot: Slot | None = None
-        if tier is Tier.HOST:
+        if tier is _HOST:
             slot, meta.host_slot = meta.host_slot, None
             meta.host_checked = False
-        elif tier is Tier.GPU:
+        elif tier is _GPU:
             slot, meta.gpu_slot = meta.gpu_slot, None
         else:
             meta.on_disk = False

@@ -22,6 +22,15 @@ class SlabBackedTier:
         """
         return self._alloc.allocate(nbytes)
 
+    def allocate_run(self, nbytes: int, count: int) -> list[Slot]:
+        """Up to ``count`` slots of ``nbytes``, stopping at the first that finds no room (see
+        :meth:`SlabAllocator.allocate_run`).
+
+        Raises:
+            CapacityError: the block can never fit in a segment.
+        """
+        return self._alloc.allocate_run(nbytes, count)
+
     def free(self, slot: Slot) -> None:
         """Return a slot. Raises InvalidRequest for a slot that is not allocated."""
         self._alloc.free(slot)

@@ -104,7 +104,14 @@ class BlockWriter:
         pool = mover.memory(tier)
         slots: list[Slot | None] = []
         blocks: list[BlockMeta | None] = []
-        for size in sizes:
+        size = sizes[0] if sizes else 0
+        if size and sizes.count(size) == len(sizes):
+            # The common grant, slots of one size: as many as fit now taken in one pass over
+            # the slab and one over the index (what the loop below would do, block by block).
+            got = pool.allocate_run(size, min(len(sizes), index.free_bytes(tier) // size))
+            blocks += index.add_reserved_many(keys, size, tier, got, priority)
+            slots += got
+        for size in sizes[len(blocks):]:
             # After make_room the slots usually fit as they are; allocate evicts when they do not.
             slot = pool.allocate(size) if index.has_room(tier, size) else None
             if slot is None:

@@ -188,3 +188,44 @@ def test_size_classes_bound_internal_waste() -> None:
         assert cb >= n and cb % alloc.alignment == 0
         assert cb - n < max(alloc.alignment, n / 256 + alloc.alignment)
     assert alloc.size_class(2 * MIB) == 2 * MIB
+
+
+@pytest.mark.parametrize("nbytes", [64 * KIB, 2 * MIB + 352, 6 * MIB])
+def test_allocate_run_hands_out_what_allocate_would_one_by_one(nbytes: int) -> None:
+    """The batch path (a grant's slots of one size) equals allocate called in a loop: the same
+    slots in the same order, the same accounting, the same stop when the pool is full; and what
+    it handed out frees like any slot (6 MiB > slab_bytes: dedicated extents)."""
+    def fresh() -> SlabAllocator:
+        return SlabAllocator(24 * MIB, segment_bytes=12 * MIB, slab_bytes=4 * MIB)
+
+    one, run = fresh(), fresh()
+    keep = one.allocate(4096), run.allocate(4096)  # another class already there
+    assert keep[0] == keep[1]
+    want = 10_000  # more than fit
+    singles = []
+    while len(singles) < want and (slot := one.allocate(nbytes)) is not None:
+        singles.append(slot)
+    batch = run.allocate_run(nbytes, want)
+    assert batch == singles and len(batch) < want
+    assert run.stats() == one.stats()
+    assert run.allocate_run(nbytes, 5) == [] and run.allocate_run(nbytes, 0) == []
+    run.check()
+    for slot in batch[::2]:
+        run.free(slot)
+    again = run.allocate_run(nbytes, 3)  # the pool was full: the room freed just now is reused
+    assert len(again) == min(3, len(batch[::2])) and all(s.length == nbytes for s in again)
+    run.check()
+    for slot in again + run.allocate_run(nbytes, 10_000):
+        run.free(slot)
+    for slot in batch[1::2]:
+        run.free(slot)
+    run.check()
+
+
+def test_allocate_run_refuses_what_allocate_refuses() -> None:
+    alloc = SlabAllocator(8 * MIB, segment_bytes=4 * MIB)
+    with pytest.raises(CapacityError):
+        alloc.allocate_run(5 * MIB, 2)
+    with pytest.raises(CapacityError):
+        alloc.allocate_run(0, 2)
+    assert alloc.allocated_bytes == 0

@@ -312,3 +312,25 @@ def test_a_geometry_remembered_for_one_namespace_is_still_checked_against_anothe
             check_geometry(h, two)
     with pytest.raises(NamespaceError):  # bfloat16: another geometry, checked in full
         check_geometry(BlockHeader(**{**{f: getattr(h, f) for f in h.__slots__}, "dtype": "bfloat16"}), one)
+
+
+@pytest.mark.parametrize("tier", [Tier.HOST, Tier.GPU])
+def test_add_reserved_many_is_add_reserved_of_each(tier):
+    """The grant's batch step: the same blocks, charges, pending count and namespace sets as
+    add_reserved one key at a time (placeholder keys of one namespace, and keys of two)."""
+    caps = {Tier.HOST: 1000, Tier.GPU: 1000, Tier.DISK: 5000}
+    batch, single = BlockIndex(caps, num_classes=3), BlockIndex(caps, num_classes=3)
+    keys = [key(1), key(2), key(3, NS2), key(4)]
+    slots = [Slot(0, i * 100, 100) for i in range(4)]
+    got = batch.add_reserved_many(keys, 100, tier, slots, 2)
+    want = [single.add_reserved(k, 100, tier, s, 2, 0) for k, s in zip(keys, slots)]
+    assert [_fields(m) for m in got] == [_fields(m) for m in want]
+    assert (batch.used, batch.count, batch.pending) == (single.used, single.count, single.pending)
+    for ns in (NS, NS2):
+        assert {m.key for m in batch.namespace(ns)} == {m.key for m in single.namespace(ns)}
+    assert batch.accounting_errors() == [] and list(batch.victims(tier)) == []
+    assert batch.add_reserved_many([key(9)], 100, tier, [], 0) == []  # no slot, no block
+    with pytest.raises(AssertionError, match="capacity"):
+        batch.add_reserved_many([key(7), key(8)], 400, tier, [Slot(0, 400, 400), Slot(0, 800, 400)], 0)
+    with pytest.raises(AssertionError, match="already indexed"):
+        batch.add_reserved_many([key(1)], 10, tier, [Slot(0, 900, 10)], 0)

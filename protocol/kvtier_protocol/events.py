@@ -331,6 +331,33 @@ def _extra_keys(name: str, value: Any, limits: EventLimits) -> tuple[Any, ...]:
 
 
 _BOOLS = frozenset((True, False))
+_FEW_ZERO_ONE = 64  # elements equal to 0 or 1 looked at one by one; more: one pass over every type
+
+
+def _no_bools(items: list[Any]) -> bool:
+    """Whether no element of ``items`` (ints and bools only) is a bool, in C-level passes.
+
+    Bools equal 0 and 1, so a list without a 0 or a 1 has none (one set probe per element).
+    A list with a few (a prefix's first block holds its BOS token, which is 1 for many models)
+    has only those looked at, found by ``list.index``; one full of them gets the exact test,
+    the set of element types.
+    """
+    if _BOOLS.isdisjoint(items):
+        return True
+    index, seen = items.index, 0
+    for value in (0, 1):
+        at = -1
+        while True:
+            try:
+                at = index(value, at + 1)
+            except ValueError:
+                break
+            if type(items[at]) is not int:
+                return False
+            seen += 1
+            if seen > _FEW_ZERO_ONE:
+                return set(map(type, items)) <= {int}
+    return True
 
 
 def _all_ints(items: list[Any]) -> bool:
@@ -338,16 +365,15 @@ def _all_ints(items: list[Any]) -> bool:
     ~10^6 token ids a second; a Python call per element would be the decoder's main cost).
 
     ``sum`` raises TypeError on anything that is not a number and returns a float when a float
-    is present, so an int result leaves ints and bools (all msgpack can decode to a number).
-    Bools equal 0 and 1, so the set test also turns away lists holding a 0 or a 1: those take
-    the exact test (the set of element types), still in C.
+    is present, so an int result leaves ints and bools (all msgpack can decode to a number);
+    :func:`_no_bools` then turns the bools away.
     """
     try:
         if type(sum(items)) is not int:
             return False
     except (TypeError, OverflowError):  # OverflowError: a float after a sum beyond float range
         return False
-    return _BOOLS.isdisjoint(items) or set(map(type, items)) <= {int}
+    return _no_bools(items)
 
 
 def _ints(name: str, value: Any, limits: EventLimits) -> tuple[int, ...]:
@@ -365,7 +391,7 @@ def _u64s(items: list[Any]) -> bool:
         array("Q", items)
     except (TypeError, OverflowError):
         return False
-    return _BOOLS.isdisjoint(items) or set(map(type, items)) <= {int}
+    return _no_bools(items)
 
 
 def _hashes(name: str, value: Any, limits: EventLimits) -> tuple[EventHash, ...]:

@@ -209,7 +209,8 @@ def test_malformed_batches_are_event_errors(wire: Any) -> None:
 
 
 @pytest.mark.parametrize("bad", [[5, True], [False], [0, 1, 1.0], [7, None], [3, "4"], [2, [1]], [1, b"x"],
-                                 [10, 2.5, -12.5], [{"a": 1}]])
+                                 [10, 2.5, -12.5], [{"a": 1}], [1, 0, 9, 1, True], [0, 7, False, 1],
+                                 [0, 1] * 40 + [True], [1] * 100 + [False, 5]])
 @pytest.mark.parametrize("field", ["token_ids", "block_hashes"])
 def test_token_and_hash_arrays_are_checked_element_by_element(bad: list[Any], field: str) -> None:
     """The C-level fast paths (sum, a bool set test, min/max) must refuse what the per-element
@@ -221,7 +222,8 @@ def test_token_and_hash_arrays_are_checked_element_by_element(bad: list[Any], fi
         ev.decode_batch(msgpack.packb([1.0, [stored]]))
 
 
-@pytest.mark.parametrize("tokens", [[], [0, 1, 2], [1, 0], list(range(300)) + [1 << 40, -5], [(1 << 64) - 1]])
+@pytest.mark.parametrize("tokens", [[], [0, 1, 2], [1, 0], list(range(300)) + [1 << 40, -5], [(1 << 64) - 1],
+                                    [1, 5, 0, 1, 9] * 3, [0, 1] * 100 + [7]])
 def test_integer_arrays_with_zero_and_one_decode(tokens: list[int]) -> None:
     wire = [1.0, [{"type": "BlockStored", "block_hashes": [0, 1, -(1 << 63), (1 << 64) - 1], "token_ids": tokens,
                    "block_size": 1}]]

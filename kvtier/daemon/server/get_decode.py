@@ -19,7 +19,8 @@ section, a new ``plen`` and checksum. Records stored raw and uncompressed are se
 The payload is copied out of its slot before it is checked, and the check and the decode read
 that copy: a process that maps the segment cannot change the bytes between them. A record that
 fails its check or does not decode is a miss, and the prefix ends there (as everywhere: never
-wrong data). Decoded records are built in memory, at most ``max_payload_len`` bytes per response.
+wrong data). Decoded records are built in memory, at most ``max_payload_len`` bytes per response
+and :data:`CONCURRENT_DECODES` responses at once (kvtier.daemon.server.handlers).
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ from kvtier_protocol.errors import KVTierError
 from kvtier_protocol.header import BlockHeader, decode_header
 
 log = logging.getLogger(__name__)
+
+CONCURRENT_DECODES = 2
+"""Gets with ``decode: true`` served at once by one daemon (the others wait their turn before
+they acquire anything): decoded records are new memory, up to max_payload_len per response, held
+until sent, and their decoding is CPU on the default executor's threads."""
 
 
 def needs_decoding(h: BlockHeader) -> bool:

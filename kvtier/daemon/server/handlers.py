@@ -102,6 +102,8 @@ class RequestHandler:
         self.ctx = ctx
         self.limits = limits
         self.buffers = buffers  # where get responses' records are copied (reused, buffers.py)
+        # Gets with decode: true whose decoded records may be in memory at once (get_decode.py).
+        self._decodes = asyncio.Semaphore(get_decode.CONCURRENT_DECODES)
         # The dispatch, spelled out: every operation of SPEC §7.4 but hello (the connection's own,
         # it chooses the session's scope) to the method that serves it.
         self._handlers: Mapping[str, Handler] = MappingProxyType({
@@ -275,10 +277,10 @@ class RequestHandler:
         return fr.PutResponse(req.id, results)
 
     async def _get(self, req: fr.GetRequest, session: Session) -> fr.Message:
+        if req.decode:
+            return await self._get_decoded(req, session)
         store = self.scope(session).store
         got = await store.acquire(req.ns_id, req.hashes, accept_lossy=req.accept_lossy)
-        if req.decode and got.blocks:
-            return await self._get_decoded(req, session, store, got)
         try:
             budget = self.limits.max_payload_len
             todo: list[tuple[bytes, memoryview]] = []
@@ -298,12 +300,21 @@ class RequestHandler:
             session.after_send[id(response)] = partial(store.release, got.lease_id)
         return response
 
-    async def _get_decoded(self, req: fr.GetRequest, session: Session, store: TieredStore,
-                           got: Acquired) -> fr.Message:
-        """A get with ``decode: true`` (SPEC §7.4): lossy or compressed records decoded into raw
+    async def _get_decoded(self, req: fr.GetRequest, session: Session) -> fr.Message:
+        """A get with ``decode: true`` (SPEC §7.4.3): lossy or compressed records decoded into raw
         ones on a worker thread (kvtier.daemon.server.get_decode), the others sent from their
-        slots; the response's ``decoded`` names the stored codec of each decoded record."""
+        slots; the response's ``decoded`` names the stored codec of each decoded record.
+
+        Decoded records are new memory, up to ``max_payload_len`` per response: at most
+        ``get_decode.CONCURRENT_DECODES`` such responses exist at once, from before their acquire
+        (no lease is held while a get waits its turn) until their bytes have left."""
+        store = self.scope(session).store
+        await self._decodes.acquire()
+        done: list[Callable[[], object]] = [self._decodes.release]
         try:
+            got = await store.acquire(req.ns_id, req.hashes, accept_lossy=req.accept_lossy)
+            if got.lease_id:
+                done.append(partial(store.release, got.lease_id))
             budget = self.limits.max_payload_len
             planned = get_decode.plan([(b.header, store.host.view(b.slot)) for b in got.blocks], budget)
             if any(p.codec is not None for p in planned):
@@ -311,16 +322,15 @@ class RequestHandler:
             else:
                 decoded = []
             payload, lens, codecs = get_decode.finish(planned, decoded, budget)
-            response = fr.GetResponse(req.id, tuple(lens) + (None,) * (len(req.hashes) - len(lens)),
-                                      decoded=(tuple(codecs) + (None,) * (len(req.hashes) - len(codecs))
-                                               if any(c is not None for c in codecs) else None),
-                                      payload=payload)
+            missing = (None,) * (len(req.hashes) - len(lens))
+            response = fr.GetResponse(req.id, (*lens, *missing), payload=payload,
+                                      decoded=(*codecs, *missing) if any(c is not None for c in codecs) else None)
         except BaseException:
-            if got.lease_id:
-                store.release(got.lease_id)
+            _run_all(done)
             raise
-        if got.lease_id:  # records sent as stored go from their slots: the lease holds until sent
-            session.after_send[id(response)] = partial(store.release, got.lease_id)
+        # Records sent as stored go from their slots, decoded ones from memory: the lease and the
+        # turn are held until the bytes have left.
+        session.after_send[id(response)] = partial(_run_all, done)
         return response
 
     # --- both paths ----------------------------------------------------------------------------
@@ -483,3 +493,7 @@ def stats_map(ctx: DaemonContext, store: TieredStore | None = None) -> dict[str,
     }
 
 
+def _run_all(steps: list[Callable[[], object]]) -> None:
+    """Run every step, last first (a lease is released before the turn it was taken in)."""
+    for step in reversed(steps):
+        step()

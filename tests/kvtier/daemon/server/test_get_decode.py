@@ -11,6 +11,7 @@ from kvtier_protocol import frames as fr
 from kvtier_protocol.block import decode_block, encode_block
 from kvtier_protocol.header import decode_header, split_record, verify_payload
 
+from kvtier.daemon.server import get_decode
 from tests.kvtier.daemon.server.planekit import TOKEN, Peer, open_plane
 
 NS_ID = b"\x5a" * 16
@@ -128,3 +129,25 @@ async def test_decode_must_be_a_bool(tmp_path, value):
         peer = await p.connect(p.tcp, token=TOKEN)
         frame = await peer.call("get", ns_id=NS_ID, hashes=[b"\x01" * 32], decode=value)
         assert frame.header["ok"] is False and frame.header["err"]["code"] == "invalid_request"
+
+
+async def test_decoding_gets_take_turns_and_give_them_back(tmp_path):
+    """More decoding gets in flight than the daemon decodes at once: each waits its turn and every
+    one is answered; a turn comes back after each response (also after a miss), so later ones run."""
+    blocks = chain(5, [("int8", None), ("int4", "lz4")])
+    keys = [k for k, _ in blocks]
+    in_flight = 3 * get_decode.CONCURRENT_DECODES
+    async with open_plane(tmp_path, host_bytes=HOST_BYTES) as p:
+        peer = await p.connect(p.tcp, token=TOKEN)
+        await put(peer, blocks)
+        ids = [await peer.send({"op": "get", "ns_id": NS_ID, "hashes": keys, "decode": True}) for _ in range(in_flight)]
+        frames = [await peer.recv() for _ in ids]
+        assert sorted(f.id for f in frames) == sorted(ids)
+        for frame in frames:
+            r = fr.parse_response("get", frame, limits=fr.Limits(max_payload_len=1 << 30))
+            assert r.decoded == ("int8", "int4")
+            for record, (_, stored) in zip(r.records(), blocks):
+                assert_decoded_from(record, stored)
+        for _ in range(in_flight):
+            assert (await get(peer, [b"\x77" * 32], decode=True)).lens == (None,)
+        assert (await get(peer, keys, decode=True)).decoded == ("int8", "int4")

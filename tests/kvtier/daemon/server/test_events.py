@@ -13,6 +13,7 @@ import random
 import time
 from array import array
 from collections.abc import AsyncIterator, Callable, Iterator
+from functools import partial
 
 import msgpack
 import pytest
@@ -459,6 +460,25 @@ def test_inconsistent_token_info_falls_back_to_placeholders() -> None:
     tr.note_blocks(NS.ns_id, [BlockTokens(keys[1], keys[0], tuple(range(100, 132)))])  # wrong tokens
     (t,) = tr.translate([StoreEvent(EventKind.STORED, Tier.HOST, NS.ns_id, keys[1], keys[0], 32)], {NS.ns_id: NS})
     assert not t.full and len(tr) == 0  # recomputed digests did not reach the key: dropped
+
+
+@pytest.mark.parametrize("big", [False, True])
+def test_token_ids_noted_as_an_array_publish_as_a_tuple_does(big: bool) -> None:
+    """A data plane may hand token ids as an ``array('I')`` (copied without an int per id) or
+    ``array('Q')`` (an id above 32 bits): the same runs as from tuples, in both wire forms."""
+    tokens, units, keys = prompt(3, offset=(1 << 33) if big else 0)
+    events = [StoreEvent(EventKind.STORED, Tier.HOST, NS.ns_id, k, keys[b - 1] if b else None, 32)
+              for b, k in enumerate(keys)]
+    out = []
+    for form in (tuple, partial(array, "Q" if big else "I")):
+        tr = EventTranslator()
+        tr.note_blocks(NS.ns_id, [BlockTokens(k, keys[b - 1] if b else None, form(tokens[b * 32:b * 32 + 32]),
+                                              tuple(units[2 * b:2 * b + 2])) for b, k in enumerate(keys)])
+        assert tr.invalid_notes == 0
+        runs = tr.translate_runs(events, {NS.ns_id: NS})
+        out.append(([r.wire() for r in runs], [r.packed() for r in runs]))
+    assert out[0] == out[1]
+    assert out[0][0][0]["token_ids"] == tokens  # one run of the three blocks
 
 
 def test_one_unit_per_block_and_unknown_namespace() -> None:

@@ -459,11 +459,14 @@ class TieredStore:
         metas = check.check_positions(lease.blocks, positions)
         namespace = self._namespaces.get(ns_id)
         parsed = [check.check_header(buf, key, meta.size, namespace) for buf, key, meta in zip(headers, keys, metas)]
+        blocks = lease.blocks
         for pos in positions:  # out of the grant before any await: expiry cannot free them now
-            lease.blocks[pos] = None
-        lease.held = [b for b in lease.blocks if b is not None]
-        if not lease.held:
+            blocks[pos] = None
+        if len(positions) == len(lease.held):  # each position named a held slot, once: none left
+            lease.held = []
             self._leases.pop(lease_id)
+        else:
+            lease.held = [b for b in blocks if b is not None]
         async with self._mutex:
             done = await self.parts.writer.place(lease_id, metas, keys, headers, parsed, checked=checked)
         if self._scrubber is not None and not checked:

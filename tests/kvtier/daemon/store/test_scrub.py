@@ -3,6 +3,9 @@ does not match its checksum is deleted and counted, never reported checked."""
 
 from __future__ import annotations
 
+from kvtier_protocol.header import payload_checksum
+
+from kvtier.daemon.store.scrub import HASH_CHUNK, _digests
 from kvtier.daemon.store.types import Tier, make_key
 from tests.kvtier.daemon.store.storekit import BLOCK, NS, get, make_rec, put
 
@@ -92,3 +95,38 @@ async def test_a_gpu_reserved_block_is_not_scrubbed_in_host(open_store):
     await store.drain_scrub()
     meta = next(iter(store.index.blocks()))
     assert meta.host_slot is None and not meta.host_checked
+
+
+async def test_one_batch_judges_each_block_on_its_own(open_store):
+    # Every committed block goes to the I/O pool in one batch; the bad ones among them (first,
+    # middle, last) are dropped and counted, each good one is marked, whatever its neighbours.
+    store = await open_store(host_bytes=64 * BLOCK, host_segment_bytes=64 * BLOCK)
+    recs = [make_rec(i) for i in range(24)]
+    bad = {0, 11, 23}
+    res = await store.reserve(NS, hashes(recs), [BLOCK] * len(recs))
+    for i, (rec, slot) in enumerate(zip(recs, res.slots)):
+        payload = bytearray(rec.payload)
+        if i in bad:
+            payload[7] ^= 0x01
+        store.host.view(slot)[:] = payload
+    assert await store.commit(res.lease_id, [r.header for r in recs]) == [True] * len(recs)
+    await store.drain_scrub()
+    assert store.counters.checksum_failures == len(bad)
+    assert store._scrubber.checked == len(recs) - len(bad) and store._scrubber.dropped == len(bad)
+    for i, rec in enumerate(recs):
+        assert store.lookup(NS, [rec.chain_hash]).num_hits == (i not in bad)
+    good = [r for i, r in enumerate(recs) if i not in bad]
+    assert await checked_flags(store, good[:10]) == [True] * 10  # a run of consecutive good blocks
+    assert store.index.accounting_errors() == []
+
+
+def test_a_stopping_scrub_leaves_the_rest_of_its_batch_unjudged():
+    # stop() sets the flag the hashing thread reads between blocks: the slots are about to be
+    # unmapped, so it hashes none after that, and answers None (not judged) for them.
+    views = [memoryview(make_rec(i).payload) for i in range(3)]
+    stopping = [False]
+    assert _digests(views, stopping) == [payload_checksum(v) for v in views]
+    big = memoryview(bytes(range(256)) * (HASH_CHUNK // 64))  # four chunks: hashed piecewise
+    assert _digests([big], stopping) == [payload_checksum(big)]
+    stopping[0] = True
+    assert _digests(views, stopping) == [None, None, None]

@@ -11,7 +11,7 @@ copy once, soon after its commit, on the I/O pool and off the request path::
                                                        └─ mismatch: re-checked under the mutex,
                                                                     count a checksum failure, delete
 
-The queued blocks are taken in batches (up to :data:`BATCH_BYTES`), one hand-off to the I/O pool
+The queued blocks are taken in batches (:data:`BATCH_BYTES`), one hand-off to the I/O pool
 per batch: a hand-off per block cost more CPU than hashing a 64 KiB block (a thread wake-up and
 a future each, and the GIL passed back and forth). Each block is judged on its own afterwards.
 
@@ -45,9 +45,11 @@ HASH_CHUNK = 1 << 20
 IDLE_S = 0.02
 """The scrub waits for a pause this long in commits: a burst of saves keeps the memory bandwidth
 and the daemon's GIL (a scrub running beside a save stream cut its throughput by ~15 %)."""
-BATCH_BYTES = 64 << 20
-"""Payload bytes hashed per hand-off to the I/O pool (at least one block): one wake-up for many
-small blocks, and a bounded wait for :meth:`CommitScrubber.stop` and for a corrupt block's drop."""
+BATCH_BYTES = 16 << 20
+"""Payload bytes hashed per hand-off to the I/O pool (at least one block): one wake-up for 256
+blocks of 64 KiB (a hand-off costs more than hashing one), while a batch keeps one pool thread
+for only a millisecond or two (disk moves share the pool) and bounds the wait of
+:meth:`CommitScrubber.stop` and of a corrupt block's drop."""
 MAX_DELAY_S = 1.0
 """...but never longer than this after a block's commit, so a daemon that is never idle still
 checks what it stores (until then, readers verify those blocks themselves)."""

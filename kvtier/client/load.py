@@ -149,9 +149,12 @@ def fetch_flow(s: Session, ns_id: bytes, hashes: list[bytes], take: TakeRecord[T
         if found == len(chunk):
             continue
         # The daemon answers nil for records that no longer fit its max_payload_len: a nil right
-        # after a nearly full payload may be that cap, not a miss, so ask again from there.
+        # after a nearly full payload may be that cap, not a miss, so ask again from there. A
+        # decoded record may be larger than any record answered (int4 decodes to 4x its stored
+        # size): a decoding get asks again after any nil that follows a record.
         sent = sum(n or 0 for n in r.lens)
-        if corrupt or found == 0 or sent + max(n or 0 for n in r.lens) <= s.limits.max_payload_len:
+        if corrupt or found == 0 or (decoded is None
+                                     and sent + max(n or 0 for n in r.lens) <= s.limits.max_payload_len):
             break
     return out
 

@@ -113,3 +113,30 @@ def test_a_block_the_daemon_re_encoded_int8_for_disk_comes_back_decoded() -> Non
     finally:
         d.stop()
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_a_decoded_record_that_did_not_fit_is_asked_for_again() -> None:
+    """A daemon whose responses hold 20000 bytes: a small raw block and a larger int8 one (a
+    different geometry: the store does not care) fit as stored, but decoded the second no longer
+    fits beside the first. The client asks again from there instead of taking the nil for a miss,
+    though the record it misses is larger than any it received."""
+    directory = tempfile.mkdtemp(prefix="kvd-", dir="/tmp")
+    d = Daemon(directory, env={"KVTIER_DATAPLANE__MAX_PAYLOAD_BYTES": "20000"}).start()
+    try:
+        g = torch.Generator().manual_seed(3)
+        keys = [key(i, b"refit") for i in range(2)]
+        small = encode_block(torch.randn(2, 2, 2, 4, 64, generator=g).to(torch.bfloat16), ns_id=NS_ID,
+                             chain_hash=keys[0], parent_hash=None, layout="canonical")
+        large = encode_block(torch.randn(2, 2, 2, 16, 64, generator=g).to(torch.bfloat16), ns_id=NS_ID,
+                             chain_hash=keys[1], parent_hash=keys[0], layout="canonical", codec="int8")
+        assert len(small) + len(large) < 20000 < len(small) + 2 * len(large)
+        with Client.connect(d.tcp, token=d.token) as kv:
+            assert kv.session.limits.max_payload_len == 20000
+            assert kv.save(NS_ID, [(keys[0], small), (keys[1], large)]) == ["stored"] * 2
+            got = kv.get(NS_ID, keys, decode=True)
+            assert [g.decoded_from for g in got] == [None, "int8"]
+            assert got[0].record == small and got[1].header.codec == "raw"
+            assert torch.equal(decode_block(got[1].record)[1], decode_block(large)[1])
+    finally:
+        d.stop()
+        shutil.rmtree(directory, ignore_errors=True)

@@ -84,7 +84,7 @@ from pathlib import Path
 import torch
 
 from kvtier.bench.report import Row, Samples, SuiteResult, alternate, latency_row, progress, throughput_row
-from kvtier.daemon.store.config import StoreConfig
+from kvtier.daemon.store.config import StoreConfig, tier_quant
 from kvtier.daemon.store.store import TieredStore
 from kvtier.daemon.store.types import Tier
 from kvtier.engine.checkpoint import make_random_checkpoint
@@ -93,7 +93,6 @@ from kvtier.engine.engine import Engine
 from kvtier.engine.sampler import SamplingParams
 from kvtier_protocol.block import decode_block, encode_block
 from kvtier_protocol.header import encode_header, split_record
-from kvtier_protocol.quant import QuantParams
 
 DESCRIPTION = ("top-1 agreement, KL and max logit error of lossy KV codecs (reference engine, GQA and MLA); "
                "demotion throughput and a Zipf workload with an int8 disk tier")
@@ -109,8 +108,9 @@ CHAINS: dict[str, tuple[str, ...]] = {
 }
 """Codec chains: each codec encodes the previous one's decoded tensor (host raw -> disk int8 -> a
 remote tier re-encoding what it read). ``int8/token``: int8 with K, like V, one scale per token
-(whole-row groups): smaller than the default per-channel K on short blocks (SPEC 5.9), at the
-cost of KIVI's outlier channels. ``ulp`` is no codec but the floor: see :func:`nudge_ulp`."""
+(whole-row groups), as a tier with ``k_axis = "token"`` stores it (MLA: the defaults, already per
+token): smaller than the default per-channel K on short blocks (SPEC 5.9), at the cost of KIVI's
+outlier channels. ``ulp`` is no codec but the floor: see :func:`nudge_ulp`."""
 DTYPES = ("bfloat16", "float32")
 """KV (and weight) dtypes of the quality part, each a run of every chain. bfloat16 is what engines
 store; float32 shows a codec's own error apart from the engine's bf16 rounding (``ulp`` rows)."""
@@ -240,7 +240,8 @@ class PrefixKV:
                     record = block.contiguous().view(torch.uint8).reshape(-1)  # its size: a raw payload
                     continue
                 codec, _, axis = name.partition("/")
-                quant = QuantParams(8, axis, axis, 0, 0, "float16", self.rope) if axis else None
+                # the parameters a tier with that k_axis re-encodes with (MLA: the defaults)
+                quant = tier_quant(codec, axis or "channel", mla=self.mla)
                 record = encode_block(block, ns_id=NS_ID, chain_hash=page.to_bytes(8, "little") + bytes(8),
                                       parent_hash=None, layout=self.layout, codec=codec, quant=quant,
                                       mla_rope_dim=self.rope)

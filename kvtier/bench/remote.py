@@ -15,6 +15,18 @@ upload it all, then fetch it all, at once:
 A row's figure is the working set's bytes over the wall time from the first client's start to
 the last one's end (GB/s, decimal).
 
+Precision by tier (``--codecs``, default ``int8,int8+lz4``; ``none`` skips it): the same clients
+upload and fetch KV-like bfloat16 records (Llama-3-8B-shaped: 32 layers, 8 KV heads of 128, the
+block size's tokens; the values of :func:`kvtier.bench.precision._kv`) through kvtier's cluster
+client, once raw and once with a lossy remote tier's work added: **upload** = the re-encode a
+daemon's remote link runs before it uploads
+(:func:`~kvtier.daemon.store.transfers.recode_verified`: verified copy, encode, verified payload)
+then the put; **fetch** = get, verify, and decode every record to bfloat16 as an engine's
+connector does (:func:`kvtier_protocol.block.decode_block`; for raw records a view). Rows
+``upload <codec>`` and ``fetch + decode <codec>`` (GB/s of the raw KV moved) next to the raw
+records' same path, and ``record bytes <codec>`` (bytes that crossed the network per raw byte).
+So lz4's worth on the remote tier is its row next to int8's.
+
 Cross-host TTFT (``--ttft-tokens``, 4096; 0 skips it): two daemons share only the cluster ("host A"
 and "host B": separate processes, sockets and local tiers, on this machine); the reference
 engine on A prefills a prompt's prefix (a fresh one per repetition), A uploads it, and the
@@ -45,10 +57,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.report import SuiteResult, alternate, gbps, progress, throughput_row
+from kvtier.bench.report import Row, Samples, SuiteResult, alternate, gbps, progress, throughput_row
 
 DESCRIPTION = "remote tier (Redis Cluster): kvtier's upload/fetch vs plain redis-py RedisCluster pipelines"
 MiB = 1 << 20
+TIER_CODECS: dict[str, tuple[str, str | None]] = {
+    "int8": ("int8", None),
+    "int8/token": ("int8", None),
+    "int8+lz4": ("int8", "lz4"),
+}
+"""``--codecs`` names: (codec, compression) of a remote tier; ``/token``: ``k_axis = "token"``."""
+KV_TOKEN_BYTES = 32 * 2 * 8 * 128 * 2
+"""Bytes of one token of the precision rows' KV (Llama-3-8B-shaped, bfloat16): 128 KiB."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,6 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                                          "(default 256; --quick 16)")
     parser.add_argument("--clients", type=int, default=None, help="client processes (default 4; --quick 2)")
     parser.add_argument("--batch", type=int, default=8, help="kvtier's commands per pipeline (default 8)")
+    parser.add_argument("--codecs", default=None,
+                        help="lossy remote tiers measured against raw records, comma-separated, of "
+                             + ", ".join(TIER_CODECS) + " (default int8,int8+lz4; --quick int8; none: skip)")
     parser.add_argument("--ttft-tokens", type=int, default=None,
                         help="prompt tokens of the cross-host TTFT rows (default 4096; --quick 256; 0: skip them)")
 
@@ -167,6 +190,8 @@ class Job:
     blocks: int
     client: int
     batch: int
+    codec: str = ""
+    """``kind == "kvtier-kv"`` only: ``"raw"`` or a :data:`TIER_CODECS` name."""
 
 
 _LOOP: asyncio.AbstractEventLoop | None = None
@@ -200,10 +225,39 @@ def _records(size: int, blocks: int, client: int) -> list[tuple[Any, bytes]]:
     return _DATA[key]
 
 
+def _kv_records(size: int, blocks: int, client: int) -> list[tuple[Any, bytes, memoryview]]:
+    """This client's raw bfloat16 KV records of ``size`` payload bytes, Llama-3-8B-shaped
+    ``[32, 2, 8, T, 128]``: (RemoteKey, header, payload), made once."""
+    key = (-size, blocks, client)
+    if key not in _DATA:
+        from kvtier_protocol.block import encode_block
+        from kvtier_protocol.header import split_record
+        from kvtier_protocol.namespace import Namespace
+
+        from kvtier.bench.precision import _kv
+        from kvtier.daemon.remote.backend import RemoteKey
+
+        tokens = size // (32 * 2 * 8 * 128 * 2)
+        assert tokens * 32 * 2 * 8 * 128 * 2 == size, "checked by run(): a whole number of tokens"
+        ns = Namespace(model="bench-remote-kv", revision="r1", attention="mha", num_layers=32, num_kv_heads=8,
+                       head_dim=128, block_tokens=tokens, hash_tokens=tokens)
+        rng = random.Random(client * 7919 + size)
+        values = [_kv((32, 2, 8, tokens, 128), seed=client * 8 + i) for i in range(4)]  # shared, as in precision
+        out = []
+        for i in range(blocks):
+            chain = rng.randbytes(32)
+            record = encode_block(values[i % len(values)], ns_id=ns.ns_id, chain_hash=chain, parent_hash=None,
+                                  layout="canonical", codec="raw")
+            h, payload = split_record(record)
+            out.append((RemoteKey("bench", ns.ns_id, chain), bytes(record[:len(record) - h.payload_len]), payload))
+        _DATA[key] = out  # type: ignore[assignment]
+    return _DATA[key]  # type: ignore[return-value]
+
+
 def _client(job: Job) -> Any:
     found = _CLIENTS.get((job.kind, job.url))
     if found is None:
-        if job.kind == "kvtier":
+        if job.kind in ("kvtier", "kvtier-kv"):
             from kvtier.daemon.remote.redis_cluster import RedisClusterBlocks, RedisClusterSettings
 
             found = RedisClusterBlocks(RedisClusterSettings(job.url, timeout_s=120.0, prefix="kvtbench",
@@ -224,11 +278,101 @@ def run_job(job: Job) -> tuple[float, float]:
     global _LOOP
     if _LOOP is None:
         _LOOP = asyncio.new_event_loop()
-    items = _records(job.size, job.blocks, job.client)
     client = _LOOP.run_until_complete(_connected(job))
+    if job.kind == "kvtier-kv":
+        kv = _kv_records(job.size, job.blocks, job.client)
+        start = time.time()
+        _LOOP.run_until_complete(_kv_phase(job, client, kv))
+        return start, time.time()
+    items = _records(job.size, job.blocks, job.client)
     start = time.time()
     _LOOP.run_until_complete(_phase(job, client, items))
     return start, time.time()
+
+
+_SENT: dict[tuple[int, str], int] = {}
+"""Record bytes the last ``kvtier-kv`` upload of (size, codec) put, in this worker."""
+
+
+def record_bytes(size: int, codec: str) -> int:
+    """Record bytes this worker's last upload of ``size`` blocks with ``codec`` put (a pool job)."""
+    return _SENT[(size, codec)]
+
+
+async def _kv_phase(job: Job, client: Any, kv: list[tuple[Any, bytes, memoryview]]) -> None:
+    """Upload (re-encoding first unless raw) or fetch + verify + decode of this client's KV records."""
+    from kvtier_protocol.block import decode_block
+    from kvtier_protocol.header import decode_header
+
+    from kvtier.daemon.remote.verify import verify_record
+    from kvtier.daemon.store.disk_io import BufferPool
+    from kvtier.daemon.store.transfers import recode_verified
+
+    if job.op == "upload":
+        if job.codec == "raw":
+            records = [header + bytes(payload) for _, header, payload in kv]
+        else:
+            codec, compression = TIER_CODECS[job.codec]
+            k_axis = "token" if job.codec.endswith("/token") else "channel"
+            pool = BufferPool()
+            # what the daemon's remote link runs on its I/O pool before an upload
+            items = [(header, payload, decode_header(header)[0].checksum, 0, codec) for _, header, payload in kv]
+            recoded = await asyncio.to_thread(recode_verified, items, k_axis, compression, pool)
+            records = []
+            for rec in recoded:
+                assert rec is not None and rec.lossy, "KV-like values re-encode"
+                records.append(rec.header + bytes(rec.payload))
+                pool.give_back(rec.payload)
+        ok = await client.put([(key, record) for (key, _, _), record in zip(kv, records)])
+        if not all(ok):
+            raise RuntimeError(f"kvtier: {ok.count(False)} uploads not acknowledged")
+        _SENT[(job.size, job.codec)] = sum(len(r) for r in records)
+        return
+    got = await client.get([key for key, _, _ in kv])
+    for (key, _, _), value in zip(kv, got):
+        if value is None:
+            raise RuntimeError(f"kvtier: a fetched record missing (errors: {client.counters.errors})")
+        verdict = verify_record(key, value)
+        if not verdict.ok:
+            raise RuntimeError(f"kvtier: a fetched record not the block asked for: {verdict.reason} {verdict.detail}")
+        decode_block(value, verify=False)  # verified above; the tensor an engine's connector gets
+
+
+def _codec_rows(pool: ProcessPoolExecutor, url: str, size: int, clients: int, batch: int, reps: int,
+                codecs: list[str], working_set: int) -> list[Any]:
+    """Rows of the precision-by-tier part for one block size (see the module docstring)."""
+    per_client = max(1, working_set // size // clients)
+    nbytes = per_client * clients * size
+
+    def phase(op: str, codec: str) -> float:
+        jobs = [Job("kvtier-kv", op, url, size, per_client, c, batch, codec) for c in range(clients)]
+        spans = list(pool.map(run_job, jobs))
+        return gbps(nbytes, max(e for _, e in spans) - min(s for s, _ in spans))
+
+    def sent(codec: str) -> int:
+        return sum(pool.map(record_bytes, [size] * clients, [codec] * clients))
+
+    case = f"{size // MiB} MiB KV blocks, {nbytes // MiB} MiB, {clients} clients"
+    rows: list[Any] = []
+    for codec in codecs:
+        progress(f"remote: {case}: upload and fetch, {codec} vs raw")
+        # Raw and lossy records of a block share its key: each fetch reads what the upload just
+        # before it put, so the two ways take turns, upload then fetch, after one warm-up round.
+        timed: dict[tuple[str, str], list[float]] = {}
+        for r in range(reps + 1):
+            for way in ((codec, "raw") if r % 2 else ("raw", codec)):
+                for op in ("upload", "fetch"):
+                    figure = phase(op, way)
+                    if r:
+                        timed.setdefault((op, way), []).append(figure)
+        raw_bytes, coded_bytes = sent("raw"), sent(codec)
+        rows.append(throughput_row(case, f"upload {codec}", "GB/s", Samples(timed[("upload", codec)]),
+                                   "raw records, same path", Samples(timed[("upload", "raw")])))
+        rows.append(throughput_row(case, f"fetch + decode {codec}", "GB/s", Samples(timed[("fetch", codec)]),
+                                   "raw records, same path", Samples(timed[("fetch", "raw")])))
+        rows.append(Row(case, f"record bytes {codec}", "bytes/raw byte", coded_bytes / nbytes, "raw records",
+                        raw_bytes / nbytes, raw_bytes / coded_bytes))
+    return rows
 
 
 async def _connected(job: Job) -> Any:
@@ -344,6 +488,11 @@ def run(args: argparse.Namespace) -> SuiteResult:
     working_set = (args.working_set_mib or (16 if args.quick else 256)) * MiB
     clients = args.clients or (2 if args.quick else 4)
     reps = args.repetitions or (1 if args.quick else 5)
+    spec = args.codecs or ("int8" if args.quick else "int8,int8+lz4")
+    codecs = [] if spec == "none" else [c.strip() for c in spec.split(",") if c.strip()]
+    for c in codecs:
+        if c not in TIER_CODECS:
+            raise SystemExit(f"unknown codec {c!r}; choose from {', '.join(TIER_CODECS)} or none")
     cluster = None
     url = args.cluster
     if url is None:
@@ -373,6 +522,11 @@ def run(args: argparse.Namespace) -> SuiteResult:
                                        repetitions=reps)
             result.rows.append(throughput_row(case, "upload", "GB/s", up_k, base, up_b))
             result.rows.append(throughput_row(case, "fetch (verified)", "GB/s", down_k, base, down_b))
+            if codecs and size % KV_TOKEN_BYTES == 0:
+                result.rows += _codec_rows(pool, url, size, clients, args.batch, reps, codecs, working_set)
+            elif codecs:
+                progress(f"remote: {size} B is not a whole number of Llama-3-8B tokens "
+                         f"({KV_TOKEN_BYTES} B): no precision rows at this size")
         tokens = args.ttft_tokens if args.ttft_tokens is not None else (256 if args.quick else 4096)
         if tokens:
             result.rows += _ttft_rows(url, tokens, reps, quick=args.quick)

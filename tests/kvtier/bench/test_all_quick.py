@@ -34,7 +34,7 @@ TINY: dict[str, str] = {
     "crash": "--kills 1 --phases flush",
     "soak": "--clients 2 --seconds 0.5 --host-mib 16 --disk-mib 32",
     "fuzz": "--inputs 200",
-    "precision": "--tokens 4 --prefix-blocks 1 --chains raw,raw>int8",
+    "precision": "--tokens 4 --prefix-blocks 1 --chains raw,raw>int8 --dtypes bfloat16 --disk-codecs int8",
 }
 """Every CPU suite and the flags that make its quick run tiny (gpu runs only where CUDA exists)."""
 

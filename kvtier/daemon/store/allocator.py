@@ -294,10 +294,12 @@ class SlabAllocator:
         Raises:
             InvalidRequest: the slot was not handed out by this allocator (or was freed already).
         """
-        live = self._live.get((slot.segment, slot.offset))
+        at = (slot.segment, slot.offset)
+        live = self._live.pop(at, None)  # one probe: put back below if the slot does not match
         if live is None or live.requested != slot.length:
+            if live is not None:
+                self._live[at] = live
             raise InvalidRequest(f"{slot} is not an allocated slot")
-        del self._live[(slot.segment, slot.offset)]
         self._allocated -= live.reserved
         self._requested -= live.requested
         slab = live.slab

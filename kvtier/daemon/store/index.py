@@ -242,10 +242,10 @@ class BlockIndex:
         return meta
 
     def add_reserved_many(self, keys: Sequence[BlockKey], size: int, tier: Tier, slots: Sequence[Slot],
-                          priority: int) -> list[BlockMeta]:
-        """:meth:`add_reserved` of ``keys[i]`` at ``slots[i]`` (one size, no prior accesses), for
-        as many keys as there are slots: a grant's batch, with the charges and the pending count
-        updated once for it."""
+                          priority: int, prior_accesses: Sequence[int] | None = None) -> list[BlockMeta]:
+        """:meth:`add_reserved` of ``keys[i]`` at ``slots[i]`` (one size; ``prior_accesses[i]``,
+        None: none), for as many keys as there are slots: a grant's or a reserve's batch, with the
+        charges and the pending count updated once for it."""
         blocks, by_ns = self._blocks, self._by_ns
         n = len(slots)
         assert 0 <= priority < self.num_classes, "priority out of range"
@@ -270,6 +270,9 @@ class BlockIndex:
             ns_keys.add(key)
             append(meta)
         assert len(out) == n, "one key per slot"
+        if prior_accesses is not None:
+            for meta, prior in zip(out, prior_accesses):
+                meta.prior_accesses = prior
         self.pending += n
         self.used[tier] += n * size
         self.count[tier] += n
@@ -346,6 +349,27 @@ class BlockIndex:
         meta.leases -= 1
         self.pending -= 1
         self._refresh(meta)
+
+    def commit_reserved_many(self, metas: Sequence[BlockMeta], headers: Sequence[bytes],
+                             parsed: Sequence[BlockHeader], now: float, checked: bool) -> None:
+        """:meth:`commit_reserved` of each leased pending block ``metas[i]`` with ``headers[i]``
+        and its summary ``parsed[i]``: a trusted commit's batch, in one pass."""
+        committed, refresh = BlockState.COMMITTED, self._refresh
+        for meta, buf, h in zip(metas, headers, parsed):
+            assert meta.leases > 0, "commit_reserved() takes a leased block"
+            assert meta.linked and meta.state is not committed, "a commit takes a linked pending block"
+            assert not meta.on_disk, "the disk charge depends on the header; place on disk after commit"
+            meta.header = bytes(buf)
+            meta.parent_hash = h.parent_hash
+            meta.num_tokens = h.num_tokens
+            meta.checksum = h.checksum
+            meta.state = committed
+            meta.last_access = now
+            if checked and meta.host_slot is not None:
+                meta.host_checked = True
+            meta.leases -= 1
+            refresh(meta)
+        self.pending -= len(metas)
 
     def unlink(self, meta: BlockMeta) -> None:
         """Make the key unreachable. Charges stay until :meth:`unplace` frees each copy."""

@@ -45,21 +45,29 @@ class BlockWriter:
         """Slots of memory tier ``tier`` for the new keys, in order, until one does not fit
         (see ``TieredStore.reserve``)."""
         now = self.now()
-        new_bytes = 0
-        for key, size in zip(keys, sizes):
-            meta = self.index.get(key)
-            if meta is None:
-                new_bytes += size
-            elif meta.committed:
-                self.index.touch(meta, now)  # first, so that making room below does not evict it
-        await self.mover.make_room(tier, new_bytes)
+        index, mover = self.index, self.mover
         status: list[PutStatus] = []
         blocks: list[BlockMeta | None] = []
         slots: list[Slot | None] = []
+        size = sizes[0] if sizes else 0
+        if size and sizes.count(size) == len(sizes) and not index.known(keys):
+            # The common reserve, every key new and of one size: nothing to touch, and the slots
+            # that fit after make_room are taken in one pass (as the loop below would, one by one).
+            await mover.make_room(tier, size * len(keys))
+            got = self._take_run(keys, size, tier, priority, blocks, slots)
+            status += [_RESERVED] * got
+        else:
+            new_bytes = 0
+            for key, size in zip(keys, sizes):
+                meta = index.get(key)
+                if meta is None:
+                    new_bytes += size
+                elif meta.committed:
+                    index.touch(meta, now)  # first, so that making room below does not evict it
+            await mover.make_room(tier, new_bytes)
         full = False
-        index, mover = self.index, self.mover
         recall, add_reserved = self.admission.recall, index.add_reserved
-        for key, size in zip(keys, sizes):
+        for key, size in zip(keys[len(blocks):], sizes[len(blocks):]):
             meta = index.get(key)
             if meta is not None:
                 status.append(PutStatus.STORED if meta.committed else PutStatus.PENDING)
@@ -105,12 +113,8 @@ class BlockWriter:
         slots: list[Slot | None] = []
         blocks: list[BlockMeta | None] = []
         size = sizes[0] if sizes else 0
-        if size and sizes.count(size) == len(sizes):
-            # The common grant, slots of one size: as many as fit now taken in one pass over
-            # the slab and one over the index (what the loop below would do, block by block).
-            got = pool.allocate_run(size, min(len(sizes), index.free_bytes(tier) // size))
-            blocks += index.add_reserved_many(keys, size, tier, got, priority)
-            slots += got
+        if size and sizes.count(size) == len(sizes):  # the common grant: slots of one size
+            self._take_run(keys, size, tier, priority, blocks, slots, placeholders=True)
         for size in sizes[len(blocks):]:
             # After make_room the slots usually fit as they are; allocate evicts when they do not.
             slot = pool.allocate(size) if index.has_room(tier, size) else None
@@ -128,6 +132,22 @@ class BlockWriter:
         blocks += [None] * (len(sizes) - n)
         lease = self.leases.open(LeaseKind.GRANT, keys, blocks, now + ttl)
         return Reservation(lease.lease_id, slots, status, lease.expires_at, tier)
+
+    def _take_run(self, keys: list[BlockKey], size: int, tier: Tier, priority: int, blocks: list[BlockMeta | None],
+                  slots: list[Slot | None], *, placeholders: bool = False) -> int:
+        """Reserve slots of ``size`` for the new ``keys`` from the first, as many as fit in
+        ``tier`` now (no eviction: the caller made room), appending the pending blocks and their
+        slots to ``blocks`` and ``slots``; returns how many. One pass over the slab
+        (``allocate_run``) and one over the index (``add_reserved_many``) for what the
+        reserve and grant loops do block by block: ``take_slot``, then ``add_reserved``."""
+        index = self.index
+        got = self.mover.memory(tier).allocate_run(size, min(len(keys), index.free_bytes(tier) // size))
+        # Placeholder keys have no admission ghost; others may (recall forgets it as it answers).
+        recall, admission = self.admission.recall, self.admission
+        priors = None if placeholders or not len(admission) else [recall(k) for k in keys[:len(got)]]
+        blocks += index.add_reserved_many(keys, size, tier, got, priority, priors)
+        slots += got
+        return len(got)
 
     async def place(self, lease_id: int, metas: Sequence[BlockMeta], keys: Sequence[BlockKey],
                     headers: Sequence[bytes], parsed: Sequence[BlockHeader], *,
@@ -211,10 +231,10 @@ class BlockWriter:
                         parsed: Sequence[BlockHeader | None], checked: bool) -> list[bool]:
         """The commit of :meth:`commit` without ``verify_on_commit`` or write-through: nothing to
         copy or await, each block committed, unleased and announced in one pass."""
-        now = self.now()
         ok = [False] * len(lease.keys)
-        commit_reserved = self.index.commit_reserved
         done: list[BlockMeta] = []
+        bufs: list[bytes] = []
+        summaries: list[BlockHeader] = []
         for i, (meta, buf, h) in enumerate(zip(lease.blocks, headers, parsed)):
             if meta is None:
                 continue
@@ -222,9 +242,11 @@ class BlockWriter:
                 self.index.unlease(meta)
                 self.abandon(meta)
                 continue
-            commit_reserved(meta, bytes(buf), h.parent_hash, h.num_tokens, h.checksum, now, checked=checked)
             ok[i] = True
             done.append(meta)
+            bufs.append(buf)
+            summaries.append(h)
+        self.index.commit_reserved_many(done, bufs, summaries, self.now(), checked)
         self._announce_many(done)
         self.mover.host.journal_flush()  # before the commit is acknowledged
         return ok

@@ -330,7 +330,38 @@ def test_add_reserved_many_is_add_reserved_of_each(tier):
         assert {m.key for m in batch.namespace(ns)} == {m.key for m in single.namespace(ns)}
     assert batch.accounting_errors() == [] and list(batch.victims(tier)) == []
     assert batch.add_reserved_many([key(9)], 100, tier, [], 0) == []  # no slot, no block
+    (ghost,) = batch.add_reserved_many([key(5)], 100, tier, [Slot(0, 500, 100)], 1, [4])  # a reserve's recall
+    assert _fields(ghost) == _fields(single.add_reserved(key(5), 100, tier, Slot(0, 500, 100), 1, 4))
     with pytest.raises(AssertionError, match="capacity"):
         batch.add_reserved_many([key(7), key(8)], 400, tier, [Slot(0, 400, 400), Slot(0, 800, 400)], 0)
     with pytest.raises(AssertionError, match="already indexed"):
         batch.add_reserved_many([key(1)], 10, tier, [Slot(0, 900, 10)], 0)
+
+
+@pytest.mark.parametrize("checked", [False, True])
+def test_commit_reserved_many_is_commit_reserved_of_each(checked):
+    """The trusted commit's batch step: the same blocks, pending count, LRU membership and audit
+    as commit_reserved one block at a time (a host block and a GPU block)."""
+    caps = {Tier.HOST: 1000, Tier.GPU: 1000, Tier.DISK: 5000}
+    batch, single = BlockIndex(caps, num_classes=3), BlockIndex(caps, num_classes=3)
+    tiers = [Tier.HOST, Tier.GPU, Tier.HOST]
+
+    class Summary:  # what a decoded header contributes to a commit
+        def __init__(self, i: int) -> None:
+            self.parent_hash, self.num_tokens, self.checksum = (key(i - 1)[16:] if i else None), 16, 100 + i
+
+    metas = [idx.add_reserved(key(i), 100, t, Slot(0, i * 100, 100), 1, 0)
+             for idx in (batch, single) for i, t in enumerate(tiers)]
+    headers = [bytearray(b"h%d" % i * 10) for i in range(3)]
+    batch.commit_reserved_many(metas[:3], headers, [Summary(i) for i in range(3)], 2.0, checked)
+    for i, meta in enumerate(metas[3:]):
+        h = Summary(i)
+        single.commit_reserved(meta, bytes(headers[i]), h.parent_hash, h.num_tokens, h.checksum, 2.0, checked=checked)
+    assert [_fields(m) for m in metas[:3]] == [_fields(m) for m in metas[3:]]
+    assert all(type(m.header) is bytes for m in metas[:3])  # a copy, never the caller's buffer
+    assert (batch.used, batch.count, batch.pending) == (single.used, single.count, single.pending)
+    for tier in (Tier.HOST, Tier.GPU):
+        assert [m.key for m in batch.victims(tier)] == [m.key for m in single.victims(tier)]
+    assert batch.accounting_errors() == []
+    with pytest.raises(AssertionError, match="leased"):
+        batch.commit_reserved_many(metas[:1], headers[:1], [Summary(0)], 3.0, checked)

@@ -37,7 +37,6 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from itertools import chain
 
 from kvtier_protocol.errors import KVTierError
 from kvtier_protocol.events import (BlockRemoved, BlockStored, event_to_wire, pack_token_ids, removed_wire,
@@ -136,8 +135,7 @@ def _units_u64(units: Sequence[bytes]) -> array | None:
 
     Equal-length digests, the usual case, take C-level passes only: one join, one length check,
     and for whole-word lengths one array whose every last word is byte-swapped, so no Python
-    int is made per digest. :meth:`EventTranslator.note_blocks` calls it once for a whole batch
-    of blocks (16 digests a block at 256-token blocks of 16-token units) and slices the result.
+    int is made per digest (16 digests a block at 256-token blocks of 16-token units).
     """
     k = len(units)
     if k:
@@ -263,13 +261,8 @@ class EventTranslator:
         Malformed entries are counted in :attr:`invalid_notes` and skipped: events about those
         blocks become placeholders, the store itself is unaffected.
         """
-        blocks = blocks if isinstance(blocks, (list, tuple)) else list(blocks)
-        # Every block's unit digests converted in one pass (one join, one array), sliced per
-        # block below; None (a digest that is not bytes of the common length): block by block.
-        all_u64 = _units_u64(list(chain.from_iterable([b.unit_hashes or () for b in blocks])))
         cache = self._cache
         held = self._tokens
-        at = 0  # where the next block's digests start in all_u64
         for b in blocks:
             try:  # the common case first: ids below 2**32
                 tokens: array | None = array("I", b.tokens)
@@ -277,16 +270,11 @@ class EventTranslator:
                 tokens = _tokens_array(b.tokens)
             chain_hash, units = b.chain_hash, b.unit_hashes
             u64 = None
-            if units:
-                k = len(units)
-                if all_u64 is not None:
-                    u64 = all_u64[at:at + k]
-                    at += k
-                else:
-                    u64 = _units_u64(units)
-                if u64 is None or units[-1] != chain_hash or (tokens and len(tokens) % k):
-                    u64 = None
-                    tokens = None  # refused below
+            # Block by block, not one join for the whole batch: the digests are read while they
+            # are in the cache (a batch's are megabytes; the join was slower on the bench).
+            if units and (units[-1] != chain_hash or (tokens and len(tokens) % len(units))
+                          or (u64 := _units_u64(units)) is None):
+                tokens = None  # refused below
             if not tokens or not isinstance(chain_hash, bytes) or len(chain_hash) < 8:
                 self.invalid_notes += 1
                 continue

@@ -74,9 +74,14 @@ SCHEMAS: dict[str, Any] = {
                   "capacity_bytes": {**_nullable(_INT), "description": "null for the remote tier (the cluster's own)"},
                   "used_bytes": _nullable(_INT), "free_bytes": _nullable(_INT), "blocks": _nullable(_INT),
                   "fragmentation": _nullable(_NUM), "hits": _INT, "misses": _INT, "bytes_in": _INT, "bytes_out": _INT,
-                  "evictions": _INT, "demotions": _INT, "remote": _ref("Remote")},
+                  "evictions": _INT, "demotions": _INT, "remote": _ref("Remote"),
+                  "precision": {"oneOf": [{"type": "null"}, _obj({
+                      "codec": _STR, "k_axis": {"enum": ["channel", "token"]}, "compression": {"enum": ["none", "lz4"]},
+                      "models": {"type": "array", "items": _obj({"pattern": _STR, "codec": _STR})}})],
+                      "description": "the codec blocks take on their way into this tier (disk and remote: "
+                                     "[tiers.*] codec, k_axis, compression, models); null: kept as written"}},
                  ("tier", "medium", "enabled", "capacity_bytes", "used_bytes", "free_bytes", "blocks", "fragmentation",
-                  "hits", "misses", "bytes_in", "bytes_out", "evictions", "demotions")),
+                  "hits", "misses", "bytes_in", "bytes_out", "evictions", "demotions", "precision")),
     "Remote": _obj({
         "enabled": {"type": "boolean"}, "address": {**_STR, "description": "the cluster's seed nodes (no secret)"},
         "tenant": {**_STR, "description": "the tenant part of this store's keys"},

@@ -255,6 +255,16 @@ async def tiers(request: web.Request) -> web.Response:
     rows = views.tiers_view(store.counters, store.gauges())
     if store.remote.enabled:
         rows.append(remote_tier_row(store.remote))
+    cfg = store.config
+    for row in rows:  # what each tier stores (issue 25); the GPU and host tiers keep what clients write
+        if row["tier"] == "disk":
+            row["precision"] = views.tier_precision(cfg.disk_codec, cfg.disk_k_axis, cfg.disk_compression,
+                                                    cfg.disk_models)
+        elif row["tier"] == "remote":
+            o = store.remote.options
+            row["precision"] = views.tier_precision(o.codec, o.k_axis, o.compression, o.models)
+        else:
+            row["precision"] = None
     return web.json_response({"tiers": rows})
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import base64
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import fields
 from typing import Any
 
@@ -216,6 +216,13 @@ def tiers_view(c: StoreCounters, g: StoreGauges) -> list[dict[str, Any]]:
         row.update({f.name: getattr(tc, f.name) for f in fields(tc)})
         out.append(row)
     return out
+
+
+def tier_precision(codec: str, k_axis: str, compression: str, models: Sequence[tuple[str, str]]) -> dict[str, Any]:
+    """The ``precision`` of a ``/v1/tiers`` row (issue 25): the codec blocks take on their way into
+    that tier, K's axis, the lossless stage, and the per-model exceptions in the order they match."""
+    return {"codec": codec, "k_axis": k_axis, "compression": compression,
+            "models": [{"pattern": pattern, "codec": c} for pattern, c in models]}
 
 
 def tenant_view(name: str, g: StoreGauges) -> dict[str, Any]:

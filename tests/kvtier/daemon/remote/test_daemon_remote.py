@@ -351,6 +351,7 @@ def test_status_tiers_metrics_and_events_show_the_remote_tier(world: ManyHosts, 
         assert row["medium"] == "REMOTE" and row["enabled"] and row["capacity_bytes"] is None
         assert row["remote"]["uploaded"] == FULL // 16 and row["remote"]["breaker_state"] == "closed"
         assert row["bytes_in"] > 0 and row["remote"]["address"].startswith("redis+cluster://")
+        assert row["precision"] == {"codec": "raw", "k_axis": "channel", "compression": "none", "models": []}
         assert 'kvtier_remote_blocks_total{direction="up",tenant=""} 62.0' in metrics
         assert 'kvtier_remote_breaker_state{state="closed",tenant=""} 1.0' in metrics
         assert "kvtier_remote_fetch_seconds_bucket" in metrics and "kvtier_remote_upload_queue_bytes" in metrics

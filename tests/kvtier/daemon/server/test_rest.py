@@ -53,6 +53,18 @@ async def test_stats_and_tiers(tmp_path):
         assert host["enabled"] and host["blocks"] == 8 and 0 <= host["fragmentation"] < 1
         assert host["free_bytes"] == host["capacity_bytes"] - host["used_bytes"]
         assert disk["blocks"] == 4 and disk["bytes_in"] > 0 and disk["medium"] == "STORAGE"
+        # the default: every tier exact (issue 25)
+        assert gpu["precision"] is None and host["precision"] is None
+        assert disk["precision"] == {"codec": "raw", "k_axis": "channel", "compression": "none", "models": []}
+
+
+async def test_tiers_say_what_a_lossy_disk_tier_stores(tmp_path):
+    async with open_ctx(tmp_path, disk_codec="int8", disk_k_axis="token", disk_compression="lz4",
+                        disk_models={"meta-llama/*": "raw", "*-draft": "int4"}) as ctx, rest_client(ctx) as client:
+        disk = (await (await client.get("/v1/tiers")).json())["tiers"][2]
+        assert disk["tier"] == "disk" and disk["precision"] == {
+            "codec": "int8", "k_axis": "token", "compression": "lz4",
+            "models": [{"pattern": "meta-llama/*", "codec": "raw"}, {"pattern": "*-draft", "codec": "int4"}]}
 
 
 async def test_namespaces_redact_the_salt(tmp_path):

@@ -131,7 +131,7 @@ def _tails(digest_len: int, count: int) -> struct.Struct:
 
 def _units_u64(units: Sequence[bytes]) -> array | None:
     """The u64 event form of unit digests (the last 8 bytes of each, big-endian); None: one is
-    not a digest (bytes, >= 8 long).
+    not a digest (bytes, >= 8 long; digests of one length may also be other bytes-like objects).
 
     Equal-length digests, the usual case, take C-level passes only: one join, one length check,
     and for whole-word lengths one array whose every last word is byte-swapped, so no Python

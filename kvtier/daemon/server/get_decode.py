@@ -87,8 +87,14 @@ def decode_planned(planned: list[Planned], max_payload_len: int) -> list[bytes]:
     """The raw records of the planned records that are to be decoded, in order, stopping at the
     first that fails its checksum or does not decode (the caller ends the prefix there). Runs on a
     worker thread: it imports torch and spends CPU in proportion to the bytes."""
+    import torch  # noqa: PLC0415  (a daemon that never decodes never loads it here)
+
     from kvtier_protocol.block import decode_block, encode_block  # noqa: PLC0415  (imports torch)
 
+    # One intra-op thread, as the disk and remote codecs set it (kvtier.daemon.store.moves.Mover):
+    # OpenMP workers spinning on a busy host make the codec's small ops milliseconds each.
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
     out: list[bytes] = []
     for p in planned:
         if p.codec is None:

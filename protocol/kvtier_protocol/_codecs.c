@@ -548,6 +548,122 @@ done:
     return ret;
 }
 
+/* Pack one row's codes (one byte each in c, at least D + 3 of them writable) into dst. */
+static void pack_row(uint8_t *restrict c, uint8_t *restrict dst, Py_ssize_t D, int b, Py_ssize_t rowbytes) {
+    if (b == 4) {
+        c[D] = 0;
+        for (Py_ssize_t k = 0; k < rowbytes; k++) dst[k] = (uint8_t)(c[2 * k] | (c[2 * k + 1] << 4));
+    } else if (b == 2) {
+        c[D] = c[D + 1] = c[D + 2] = 0;
+        for (Py_ssize_t k = 0; k < rowbytes; k++)
+            dst[k] = (uint8_t)(c[4 * k] | (c[4 * k + 1] << 2) | (c[4 * k + 2] << 4) | (c[4 * k + 3] << 6));
+    }
+}
+
+/* The stored parameters of n groups from their minima and maxima, as int_params computes them (the
+ * same kernels, the same order): 0, or int_params' status 1 / 2 (nothing usable written then). */
+static int group_params(const float *lo, const float *hi, float *dv, float *mn, char *ss, char *sm, Py_ssize_t s0,
+                        Py_ssize_t n, float qmax, int f16) {
+    int nofit = 0;
+    if (scale_flags(lo, hi, dv, n, qmax, &nofit)) return 1;
+    if (f16 && nofit) return 2;
+    if (f16) store_f16_params(lo, dv, (uint16_t *)ss + s0, (uint16_t *)sm + s0, mn, n);
+    else store_f32_params(lo, dv, (float *)ss + s0, (float *)sm + s0, mn, n);
+    return 0;
+}
+
+/* encode_int(src, dtype, L, H, T, D, base, sL, sH, sT, dim, g, soff, sstride, bits, f16, out, scales, mins,
+ *            row0, rows_per_layer) -> 0, or the status that sends the caller to the unfused path.
+ * stats, int_params and quantize of one part in one pass over it: each group of rows (dim 2: g
+ * tokens of one (l, h); dim 3: one token) is loaded as float32 once, its statistics and stored
+ * parameters are computed, and its codes written while it is still in the L1 cache; the stored
+ * scales and minima (float16 when f16, else float32) go straight into the sections' buffers in the
+ * statistics' order. Every value comes from the kernels the unfused calls use, in the same order:
+ * the same bytes. Status: 1 a scale overflows float32, 2 (f16 only) float16 cannot hold a
+ * group's parameters, 3 NaN or Inf in the part; the outputs are then partly written, and the caller
+ * decides the error (or the float32 fall-back) with the unfused calls, as it would have. */
+static PyObject *encode_int(PyObject *self, PyObject *args) {
+    Py_buffer src, out, ss, sm;
+    int dt, bits, f16;
+    Geom q;
+    Py_ssize_t row0, rows_per_layer;
+    if (!PyArg_ParseTuple(args, "y*i" GEOM_FMT "ipw*w*w*nn", &src, &dt, GEOM_ARGS(q), &bits, &f16, &out, &ss, &sm,
+                          &row0, &rows_per_layer))
+        return NULL;
+    PyObject *ret = NULL;
+    float *tile = NULL;
+    uint8_t *codes = NULL;
+    const Py_ssize_t rowbytes = (q.D * bits + 7) / 8, es = f16 ? 2 : 4;
+    if (dt < 0 || dt > 2 || (bits != 2 && bits != 4 && bits != 8) || !geom_ok(&q) || row0 < 0
+        || rows_per_layer < q.H * q.T || !check_buf(&src, span(&q) * DT_SIZE[dt], "src")
+        || !check_buf(&ss, nstats(&q) * es, "scales") || !check_buf(&sm, nstats(&q) * es, "mins")
+        || !check_buf(&out, ((q.L - 1) * rows_per_layer + row0 + q.H * q.T) * rowbytes, "out"))
+        goto done;
+    /* dim 2: up to g rows, then lo, hi, div, min of D channels; dim 3: one row, then 4 x G */
+    const Py_ssize_t G = q.dim == 2 ? (q.T + q.g - 1) / q.g : (q.D + q.g - 1) / q.g;
+    const Py_ssize_t gr = q.dim == 2 ? (q.g < q.T ? q.g : q.T) : 1, np = q.dim == 2 ? q.D : G;
+    tile = PyMem_RawMalloc((size_t)(gr * q.D + 4 * np) * 4);
+    codes = PyMem_RawMalloc((size_t)q.D + 8);
+    if (!tile || !codes) { PyErr_NoMemory(); goto done; }
+    int status = 0;
+    Py_BEGIN_ALLOW_THREADS
+    float *lo = tile + gr * q.D, *hi = lo + np, *dv = hi + np, *mn = dv + np;
+    const float qmax = (float)((1 << bits) - 1);
+    for (Py_ssize_t l = 0; l < q.L && !status; l++) {
+        for (Py_ssize_t h = 0; h < q.H && !status; h++) {
+            if (q.dim == 2) {
+                for (Py_ssize_t j = 0; j < G && !status; j++) {
+                    const Py_ssize_t t0 = j * q.g, t1 = t0 + q.g < q.T ? t0 + q.g : q.T;
+                    for (Py_ssize_t d = 0; d < q.D; d++) { lo[d] = INFINITY; hi[d] = -INFINITY; }
+                    int bad = 0;
+                    for (Py_ssize_t t = t0; t < t1; t++) {
+                        float *row = tile + (t - t0) * q.D;
+                        load_row(src.buf, dt, q.base + l * q.sL + h * q.sH + t * q.sT, q.D, row);
+                        bad |= minmax_vec(row, lo, hi, q.D);
+                    }
+                    if (bad) { status = 3; break; }
+                    status = group_params(lo, hi, dv, mn, ss.buf, sm.buf, stat0(&q, G, l, h, t0), q.D, qmax, f16);
+                    for (Py_ssize_t t = t0; t < t1 && !status; t++) {
+                        uint8_t *dst = (uint8_t *)out.buf + (l * rows_per_layer + row0 + h * q.T + t) * rowbytes;
+                        uint8_t *c = bits == 8 ? dst : codes;
+                        q_vec(tile + (t - t0) * q.D, mn, dv, c, q.D, qmax);
+                        pack_row(c, dst, q.D, bits, rowbytes);
+                    }
+                }
+            } else {
+                for (Py_ssize_t t = 0; t < q.T && !status; t++) {
+                    load_row(src.buf, dt, q.base + l * q.sL + h * q.sH + t * q.sT, q.D, tile);
+                    int bad = 0;
+                    for (Py_ssize_t j = 0; j < G; j++) {
+                        const Py_ssize_t d0 = j * q.g, d1 = d0 + q.g < q.D ? d0 + q.g : q.D;
+                        bad |= minmax_one(tile + d0, d1 - d0, lo + j, hi + j);
+                    }
+                    if (bad) { status = 3; break; }
+                    status = group_params(lo, hi, dv, mn, ss.buf, sm.buf, stat0(&q, G, l, h, t), G, qmax, f16);
+                    if (status) break;
+                    uint8_t *dst = (uint8_t *)out.buf + (l * rows_per_layer + row0 + h * q.T + t) * rowbytes;
+                    uint8_t *c = bits == 8 ? dst : codes;
+                    for (Py_ssize_t j = 0; j < G; j++) {
+                        const Py_ssize_t d0 = j * q.g, d1 = d0 + q.g < q.D ? d0 + q.g : q.D;
+                        q_one(tile + d0, mn[j], dv[j], c + d0, d1 - d0, qmax);
+                    }
+                    pack_row(c, dst, q.D, bits, rowbytes);
+                }
+            }
+        }
+    }
+    Py_END_ALLOW_THREADS
+    ret = PyLong_FromLong(status);
+done:
+    PyMem_RawFree(tile);
+    PyMem_RawFree(codes);
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&ss);
+    PyBuffer_Release(&sm);
+    return ret;
+}
+
 /* dequantize(codes, bits, row0, rows_per_layer, scales, mins, fp8_table, out, dtype, fmax,
  *            L, H, T, D, base, sL, sH, sT, dim, g, soff, sstride)
  * bits 8/4/2: y = (q * S) + M (two roundings); bits 0: y = table[q] * (S * 256) where table holds
@@ -661,6 +777,7 @@ static PyMethodDef methods[] = {
     {"stats", stats, METH_VARARGS, "Group minima and maxima (or max |x|) of one quantized part."},
     {"int_params", int_params, METH_VARARGS, "Scales, minima and divisors of the integer codecs from the statistics."},
     {"quantize", quantize, METH_VARARGS, "Codes of one quantized part, packed into payload rows."},
+    {"encode_int", encode_int, METH_VARARGS, "stats, int_params and quantize of one integer-coded part in one pass."},
     {"dequantize", dequantize, METH_VARARGS, "Decode one quantized part into the output tensor's memory."},
     {"shuffle", shuffle, METH_VARARGS, "Byte shuffle (or its inverse) of the compression stage."},
     {NULL, NULL, 0, NULL},

@@ -10,6 +10,8 @@ asks for.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 import xxhash
@@ -19,8 +21,8 @@ from kvtier_protocol.codec_plan import SCALE_SIZE
 from kvtier_protocol.compression import ALGORITHMS, compress_sections, decompress_sections
 from kvtier_protocol.dtypes import DTYPE_SIZES
 from kvtier_protocol.errors import CodecError, LayoutError
-from kvtier_protocol.header import (DEFAULT_MAX_PAYLOAD_LEN, BlockHeader, Section, encode_header,
-                                    split_record, verify_payload)
+from kvtier_protocol.header import (COPY_CHUNK, DEFAULT_MAX_PAYLOAD_LEN, BlockHeader, Section, encode_header,
+                                    payload_checksum, split_record, verify_payload)
 from kvtier_protocol.layouts import Layout, convert, get_layout, to_canonical
 from kvtier_protocol.quant import QuantParams
 
@@ -88,9 +90,24 @@ def encode_block(tensor: torch.Tensor, *, ns_id: bytes, chain_hash: bytes, paren
         CodecError: an unsupported dtype, unknown codec, or data the codec refuses (NaN/Inf).
         HeaderError: invalid hashes or namespace id.
     """
+    stored, header, _ = _encode(tensor, ns_id=ns_id, chain_hash=chain_hash, parent_hash=parent_hash,
+                                layout=layout, codec=codec, quant=quant, num_tokens=num_tokens,
+                                ns_fields=ns_fields, created_ms=created_ms, mla_rope_dim=mla_rope_dim,
+                                compression=compression)
+    return b"".join([header, *stored])
+
+
+def _encode(tensor: torch.Tensor, *, ns_id: bytes, chain_hash: bytes, parent_hash: bytes | None,
+            layout: str | Layout, codec: str, quant: QuantParams | None, num_tokens: int | None,
+            ns_fields: dict | None, created_ms: int | None, mla_rope_dim: int, compression: str | None,
+            alloc: Callable[[int], memoryview] | None = None) -> tuple[list, bytes, int]:
+    """encode_block's work: ``(stored sections, header bytes, checksum)``. With ``alloc``, the
+    stored payload is one buffer of it (``stored == [buffer]``), its checksum that of the buffer
+    itself."""
     lay = get_layout(layout)
     dtype = dtype_name(tensor.dtype)
     lay.geometry_of(tuple(tensor.shape))
+    direct = None  # the payload already in a buffer of alloc: (view, section lengths)
     if codec == "raw":
         if quant is not None:
             raise CodecError("codec raw takes no quant parameters")
@@ -100,29 +117,90 @@ def encode_block(tensor: torch.Tensor, *, ns_id: bytes, chain_hash: bytes, paren
         canonical = to_canonical(tensor, lay)
         if quant is None and lay.is_mla:
             quant = codecs.default_quant(codec, mla=True, rope_dims=mla_rope_dim)
-        encoded = codecs.encode(canonical, codec, quant, mla=lay.is_mla)
-        parts = [(name, _host_bytes(t)) for name, t in encoded.sections]
-        out_layout, shape, used_quant = lay.canonical_name, tuple(canonical.shape), encoded.quant
+        if alloc is not None and compression is None:
+            # the sections straight into the destination: no join, no second copy
+            view, lengths, used_quant = codecs.encode_into(canonical, codec, quant, mla=lay.is_mla, alloc=alloc)
+            direct = (view, lengths)
+            parts = [(name, None) for name, _ in lengths]
+        else:
+            encoded = codecs.encode(canonical, codec, quant, mla=lay.is_mla)
+            parts = [(name, _host_bytes(t)) for name, t in encoded.sections]
+            used_quant = encoded.quant
+        out_layout, shape = lay.canonical_name, tuple(canonical.shape)
     tokens = shape[get_layout(out_layout).token_axis]
     if num_tokens is not None and num_tokens != tokens:
         raise LayoutError(f"num_tokens {num_tokens} != {tokens} tokens along the layout's token axis")
-    stored: list = [memoryview(arr) for _, arr in parts]
     comp = None
-    if compression is not None:
-        if compression not in ALGORITHMS:
-            raise CodecError(f"unknown compression {compression!r}; expected one of {ALGORITHMS}")
-        stored, comp = compress_sections(stored, [section_stride(name, dtype, used_quant) for name, _ in parts])
-    sections, offset, digest = [], 0, xxhash.xxh3_64()
-    for (name, _), data in zip(parts, stored):
-        n = memoryview(data).nbytes
-        sections.append(Section(name, offset, n))
-        offset += n
-        digest.update(data)
+    sections, offset = [], 0
+    if direct is not None:
+        view, lengths = direct
+        for name, n in lengths:
+            sections.append(Section(name, offset, n))
+            offset += n
+        stored: list = [view]
+        checksum = payload_checksum(view)  # of the destination: what is hashed is what is kept
+    else:
+        stored = [memoryview(arr) for _, arr in parts]
+        if compression is not None:
+            if compression not in ALGORITHMS:
+                raise CodecError(f"unknown compression {compression!r}; expected one of {ALGORITHMS}")
+            stored, comp = compress_sections(stored, [section_stride(name, dtype, used_quant) for name, _ in parts])
+        digest = xxhash.xxh3_64()
+        if alloc is None:
+            for (name, _), data in zip(parts, stored):
+                n = memoryview(data).nbytes
+                sections.append(Section(name, offset, n))
+                offset += n
+                digest.update(data)
+        else:  # one buffer of alloc, each chunk hashed right after it is copied (still in cache)
+            lengths = [memoryview(data).nbytes for data in stored]
+            view = memoryview(buf := alloc(sum(lengths)))
+            for (name, _), data, n in zip(parts, stored, lengths):
+                sections.append(Section(name, offset, n))
+                src = memoryview(data).cast("B")
+                for off in range(0, n, COPY_CHUNK):
+                    part = view[offset + off:offset + min(n, off + COPY_CHUNK)]
+                    part[:] = src[off:off + COPY_CHUNK]
+                    digest.update(part)
+                offset += n
+            stored = [buf]
+        checksum = digest.intdigest()
     header = BlockHeader(ns_id=ns_id, chain_hash=chain_hash, parent_hash=parent_hash,
                          num_tokens=tokens, layout=out_layout, shape=shape, dtype=dtype, codec=codec,
-                         sections=tuple(sections), payload_len=offset, checksum=digest.intdigest(),
+                         sections=tuple(sections), payload_len=offset, checksum=checksum,
                          quant=used_quant, ns_fields=ns_fields, created_ms=created_ms, compression=comp)
-    return b"".join([encode_header(header), *stored])
+    return stored, encode_header(header), checksum
+
+
+def encode_block_into(tensor: torch.Tensor, *, alloc: Callable[[int], memoryview], ns_id: bytes,
+                      chain_hash: bytes, parent_hash: bytes | None, layout: str | Layout, codec: str = "raw",
+                      quant: QuantParams | None = None, num_tokens: int | None = None,
+                      ns_fields: dict | None = None, created_ms: int | None = None, mla_rope_dim: int = 0,
+                      compression: str | None = None) -> tuple[bytes, memoryview, int]:
+    """:func:`encode_block` with the payload written into a buffer of ``alloc`` (e.g. a disk
+    tier's page-aligned pool): ``header + payload`` is :func:`encode_block`'s record byte for byte.
+
+    The quantizing codecs encode straight into the buffer (:func:`kvtier_protocol.codecs.encode_into`);
+    raw and compressed payloads are copied in, each chunk hashed as it is written. Either way the
+    header's checksum is the xxh3-64 of the buffer itself, so the bytes kept are the bytes hashed.
+
+    Args:
+        alloc: ``alloc(nbytes)`` returns a writable, C-contiguous byte view of ``nbytes`` bytes; it
+            may be called more than once (see :func:`~kvtier_protocol.codecs.encode_into`): only
+            the view returned is in use, the earlier ones are free again.
+        the others: as for :func:`encode_block`.
+
+    Returns:
+        The header bytes, the payload (the view from ``alloc``), and its checksum.
+
+    Raises:
+        As :func:`encode_block` (after which no view of ``alloc`` is in use).
+    """
+    stored, header, checksum = _encode(tensor, ns_id=ns_id, chain_hash=chain_hash, parent_hash=parent_hash,
+                                       layout=layout, codec=codec, quant=quant, num_tokens=num_tokens,
+                                       ns_fields=ns_fields, created_ms=created_ms, mla_rope_dim=mla_rope_dim,
+                                       compression=compression, alloc=alloc)
+    return header, stored[0], checksum
 
 
 def section_stride(section: str, dtype: str, quant: QuantParams | None) -> int:

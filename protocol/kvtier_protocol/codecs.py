@@ -40,7 +40,7 @@ try:
 except ImportError:  # not built: no C compiler at install time, or another interpreter
     _codecs = None
 
-__all__ = ["CODECS", "NATIVE", "Encoded", "decode", "default_quant", "encode", "section_lengths"]
+__all__ = ["CODECS", "NATIVE", "Encoded", "decode", "default_quant", "encode", "encode_into", "section_lengths"]
 
 NATIVE: bool = _codecs is not None
 """True when the C loops of ``kvtier_protocol._codecs`` are available."""
@@ -195,6 +195,83 @@ def encode(x: torch.Tensor, codec: str, quant: QuantParams | None = None, *, mla
     if pl.R:
         sections.append(("rope", _bytes(x.detach()[:, :, pl.D:])))
     return Encoded(sections, quant)
+
+
+def encode_into(x: torch.Tensor, codec: str, quant: QuantParams | None = None, *, mla: bool = False,
+                alloc: Callable[[int], memoryview], native: bool | None = None,
+                ) -> tuple[memoryview, list[tuple[str, int]], QuantParams | None]:
+    """:func:`encode`, its sections written back to back into one buffer from ``alloc``.
+
+    The integer codecs on the C loops (:data:`NATIVE`, a CPU tensor of float32/bfloat16/float16)
+    encode straight into that buffer in one pass per part (statistics, parameters and codes of
+    each group while it is in cache); every other case encodes as :func:`encode` and copies the
+    sections in. The bytes are :func:`encode`'s, concatenated.
+
+    Args:
+        x, codec, quant, mla, native: as for :func:`encode`.
+        alloc: ``alloc(nbytes)`` returns a writable, C-contiguous byte view of ``nbytes`` bytes.
+            It may be called more than once (float16 scales that fall back to float32 change the
+            sections' lengths, and a block the one-pass loops cannot settle is encoded again the
+            long way): only the view returned is in use, the earlier ones are free again.
+
+    Returns:
+        The view (exactly the sections' bytes), ``(name, length)`` of each section in payload
+        order, and the parameters used (as :attr:`Encoded.quant`).
+
+    Raises:
+        CodecError: as :func:`encode`.
+    """
+    if codec != "raw" and quant is None:
+        quant = default_quant(codec, mla=mla)
+    pl = plan_codec(codec, quant, tuple(x.shape), str(x.dtype).removeprefix("torch."), mla)
+    if pl.quant is not None and codec != "fp8_e4m3" and _use_native(native, x.device, x.dtype):
+        got = _encode_int_into(pl, x.detach().contiguous(), pl.quant, alloc)
+        if got is not None:
+            return got
+    enc = encode(x, codec, quant, mla=mla, native=native)
+    lengths = [(name, t.numel()) for name, t in enc.sections]
+    buf = alloc(sum(n for _, n in lengths))
+    mv, off = memoryview(buf), 0
+    for (_, t), (_, n) in zip(enc.sections, lengths):
+        mv[off:off + n] = t.numpy()
+        off += n
+    return buf, lengths, enc.quant
+
+
+def _encode_int_into(pl: CodecPlan, x: torch.Tensor, q: QuantParams, alloc: Callable[[int], memoryview],
+                     ) -> tuple[memoryview, list[tuple[str, int]], QuantParams] | None:
+    """The integer codecs' one-pass C loop (``_codecs.encode_int``) into a buffer of ``alloc``; None
+    when a part has NaN/Inf or a scale overflowing float32 (the caller encodes the long way, which
+    raises the error the reference path would)."""
+    assert _codecs is not None, "checked by _use_native"
+    dt = _NATIVE_DTYPES[x.dtype]
+    src = memoryview(x.view(-1).view(torch.uint8).numpy())
+    geoms, _ = _geometries(pl)
+    rows = pl.P * pl.H * pl.T
+    for f16 in (True, False) if q.scale_dtype == "float16" else (False,):
+        if not f16 and q.scale_dtype == "float16":
+            q = replace(q, scale_dtype="float32")  # recorded in the header: never a silent overflow
+            pl = replace(pl, quant=q)
+        lengths = pl.lengths()
+        buf = alloc(sum(n for _, n in lengths))
+        mv, views, off = memoryview(buf), {}, 0
+        for name, n in lengths:
+            views[name] = mv[off:off + n]
+            off += n
+        status = 0
+        for p, geom in enumerate(geoms):
+            status = _codecs.encode_int(src, dt, *geom, q.bits, f16, views["payload"], views["scales"],
+                                        views["mins"], p * pl.H * pl.T, rows)
+            if status:
+                break
+        if status == 0:
+            if pl.R:
+                rope = torch.frombuffer(views["rope"], dtype=torch.uint8).view(x.dtype)
+                rope.view(pl.L, pl.T, pl.R).copy_(x[:, :, pl.D:])
+            return buf, lengths, q
+        if status != 2:
+            return None
+    return None  # float32 scales never return 2
 
 
 def _parts(pl: CodecPlan, xf: torch.Tensor) -> list[torch.Tensor]:

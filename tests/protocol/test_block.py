@@ -11,7 +11,7 @@ import pytest
 import torch
 import xxhash
 
-from kvtier_protocol.block import decode_block, dtype_name, encode_block, torch_dtype
+from kvtier_protocol.block import decode_block, dtype_name, encode_block, encode_block_into, torch_dtype
 from kvtier_protocol.dtypes import DTYPE_SIZES
 from kvtier_protocol.errors import (ChecksumMismatch, CodecError, HeaderError, KVTierError,
                                     LayoutError, LimitExceeded)
@@ -263,3 +263,35 @@ def test_spec_worked_example() -> None:
         "87a462697473 04a66b5f61786973a76368616e6e656ca6765f61786973a5746f6b656e"
         "a76b5f67726f757020a7765f67726f757020ab7363616c655f6474797065a7666c6f61743136"
         "a9726f70655f64696d7300").replace(" ", "")
+
+
+@pytest.mark.parametrize("compression", [None, "lz4"])
+@pytest.mark.parametrize("codec", ["raw", "int8", "int4", "int2", "fp8_e4m3"])
+def test_encode_block_into_writes_encode_blocks_record(codec: str, compression: str | None) -> None:
+    """header + payload of encode_block_into is encode_block's record byte for byte (MHA and MLA
+    with rope dims, every source dtype, the float32-scale fall-back), the payload is the last
+    buffer alloc handed out, and the checksum is that of the buffer."""
+    cases = [("canonical", torch.bfloat16, {}), ("canonical", torch.float16, {}), ("canonical", torch.float32, {})]
+    cases.append((MLA_NAMES[0], torch.bfloat16, {"mla_rope_dim": 32} if codec not in ("raw", "fp8_e4m3") else {}))
+    for layout, dtype, kw in cases:
+        x = block(layout, dtype, seed=3)
+        fallback = codec.startswith("int") and dtype != torch.float16 and not get_layout(layout).is_mla
+        if fallback:
+            x = x.clone()
+            x.view(-1)[5] = -70000.0  # a minimum float16 cannot hold: float32 scales
+        want = encode(x, layout, codec=codec, compression=compression, created_ms=5, **kw)
+        handed: list[memoryview] = []
+
+        def alloc(n: int) -> memoryview:
+            handed.append(memoryview(bytearray(n)))
+            return handed[-1]
+
+        header, payload, checksum = encode_block_into(x, alloc=alloc, ns_id=NS, chain_hash=HASH, parent_hash=PARENT,
+                                                      layout=layout, codec=codec, compression=compression,
+                                                      created_ms=5, **kw)
+        assert header + bytes(payload) == want
+        assert payload is handed[-1] and checksum == xxhash.xxh3_64_intdigest(payload)
+        assert decode_header(header)[0].checksum == checksum
+        if fallback:
+            assert decode_header(header)[0].quant.scale_dtype == "float32"
+            assert len(handed) == (2 if compression is None else 1)  # the one-pass loop started over

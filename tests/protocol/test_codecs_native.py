@@ -15,7 +15,7 @@ import torch
 
 from kvtier.bench.codecs import synthetic_kv
 from kvtier_protocol import codecs
-from kvtier_protocol.codec_plan import CODEC_BITS, section_lengths
+from kvtier_protocol.codec_plan import CODEC_BITS, plan_codec, section_lengths
 from kvtier_protocol.codecs import decode, default_quant, encode
 from kvtier_protocol.errors import CodecError
 from kvtier_protocol.quant import QuantParams
@@ -41,12 +41,22 @@ def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 def _check(x: torch.Tensor, codec: str, quant: QuantParams | None = None, *, mla: bool = False) -> None:
+    """encode, encode_into and (integer codecs) the one-pass C loop against the torch path; decode
+    of the reference bytes by both paths."""
     ref = encode(x, codec, quant, mla=mla, native=False)
     fast = encode(x, codec, quant, mla=mla, native=True)
     assert ref.quant == fast.quant
     assert [n for n, _ in ref.sections] == [n for n, _ in fast.sections]
     for (name, a), (_, b) in zip(ref.sections, fast.sections):
         assert torch.equal(a, b), f"{codec} {x.dtype} section {name} differs"
+    want = b"".join(bytes(t.numpy()) for _, t in ref.sections)
+    buf, lengths, used = codecs.encode_into(x, codec, quant, mla=mla, alloc=bytearray)
+    assert bytes(buf) == want and used == ref.quant
+    assert lengths == [(n, t.numel()) for n, t in ref.sections]
+    if codec != "fp8_e4m3":  # the one-pass C loop itself (encode_into falls back to encode if it cannot settle)
+        pl = plan_codec(codec, quant or default_quant(codec, mla=mla), tuple(x.shape), _name(x.dtype), mla)
+        got = codecs._encode_int_into(pl, x.contiguous(), pl.quant, bytearray)
+        assert got is not None and bytes(got[0]) == want and got[2] == ref.quant
     secs = {n: memoryview(bytes(t.numpy())) for n, t in ref.sections}
     kw = dict(codec=codec, quant=ref.quant, shape=tuple(x.shape), dtype=_name(x.dtype), mla=mla)
     _same_tensor(decode(secs, **kw, native=False), decode(secs, **kw, native=True))
@@ -204,3 +214,53 @@ def test_a_range_overflowing_float32_is_refused_by_both(dtype: torch.dtype) -> N
     for native in (False, True):
         with pytest.raises(CodecError, match="overflows float32"):
             encode(x.to(dtype), "int8", native=native)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("codec", ("int8", "int4", "int2"))
+def test_one_pass_loop_on_random_geometries(codec: str, dtype: torch.dtype) -> None:
+    """_codecs.encode_int (statistics, parameters and codes in one pass) against the torch path
+    on random shapes, axes and group sizes (ragged ones included), MHA and MLA, values at many
+    scales, and groups whose values sit exactly on the code grid's half steps (round-half-even)."""
+    gen = torch.Generator().manual_seed(25 + CODEC_BITS[codec])
+    per = 8 // CODEC_BITS[codec]
+    for trial in range(12):
+        L, T = int(torch.randint(1, 4, (1,), generator=gen)), int(torch.randint(1, 41, (1,), generator=gen))
+        D = per * int(torch.randint(1, 40, (1,), generator=gen))
+        scale = float(torch.exp2(torch.randint(-20, 16, (1,), generator=gen)))
+        if trial % 3 == 2:  # MLA, the last rope dims raw
+            x = (torch.randn(L, T, D + 8, generator=gen) * scale).to(dtype)
+            g = per * int(torch.randint(1, 12, (1,), generator=gen))
+            _check(x, codec, QuantParams(CODEC_BITS[codec], "token", "token", g, g, "float16", 8), mla=True)
+            continue
+        H = int(torch.randint(1, 4, (1,), generator=gen))
+        x = torch.randn(L, 2, H, T, D, generator=gen) * scale
+        if trial % 3 == 1:  # half steps of a scale whose reciprocal is inexact: (k + 1/2) * 3 from 0 to 3 * qmax
+            qmax = (1 << CODEC_BITS[codec]) - 1
+            k = torch.randint(0, qmax, x.shape, generator=gen).float()
+            x = (k + 0.5) * 3.0
+            x[:, :, :, 0], x[:, :, :, -1] = 0.0, 3.0 * qmax  # every K channel and V token spans 0..3*qmax
+            x[:, :, :, :, 0], x[:, :, :, :, -1] = 0.0, 3.0 * qmax
+        axes = ("channel", "token")
+        k_axis, v_axis = axes[int(torch.randint(0, 2, (1,), generator=gen))], axes[trial % 2]
+        kg, vg = (int(torch.randint(0, 3, (1,), generator=gen)) * per * int(torch.randint(1, 6, (1,), generator=gen))
+                  for _ in range(2))
+        for sdt in ("float16", "float32"):
+            _check(x.to(dtype), codec, QuantParams(CODEC_BITS[codec], k_axis, v_axis, kg, vg, sdt))
+
+
+@pytest.mark.parametrize("codec", ("int8", "int4"))
+def test_one_pass_loop_leaves_refused_blocks_to_the_reference_rules(codec: str) -> None:
+    """NaN/Inf or a range overflowing float32: the one-pass loop settles nothing (None) and
+    encode_into raises the reference path's error, whichever part (K or V) holds the value."""
+    for bad, match in [(math.nan, "NaN or Inf"), (math.inf, "NaN or Inf"), (3e38, "overflows float32")]:
+        for part in (0, 1):
+            x = synthetic_kv(2, 2, 8, 16, dtype=torch.float32, seed=3)
+            x[1, part, 1, 5, 7] = bad
+            if bad == 3e38:  # -3e38 in the same K group (channel 7) and V group (token 5)
+                x[1, part, 1, 6, 7] = x[1, part, 1, 5, 6] = -bad
+            pl = plan_codec(codec, default_quant(codec), tuple(x.shape), "float32", False)
+            assert codecs._encode_int_into(pl, x, pl.quant, bytearray) is None
+            for native in (False, True):
+                with pytest.raises(CodecError, match=match):
+                    codecs.encode_into(x, codec, alloc=bytearray, native=native)

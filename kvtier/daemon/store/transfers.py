@@ -9,12 +9,13 @@ a store without a GPU tier or a lossy disk codec never loads it through this mod
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvtier_protocol.errors import KVTierError
-from kvtier_protocol.header import decode_header, payload_checksum, split_record, verify_payload
+from kvtier_protocol.header import copy_checksummed, decode_header, payload_checksum, verify_payload
 from kvtier_protocol.layouts import get_layout
 
 from kvtier.daemon.store.config import CodecModels, codec_for_model, tier_quant
@@ -119,46 +120,73 @@ def recode_verified(items: list[tuple[bytes, memoryview, int, int, str]], k_axis
     """Re-encode raw host records for a lower tier (issue 25), each with its codec, then ``compression``.
 
     Per ``(header, host view, checksum, rope_dims, codec)`` (:func:`recode_choice`): the host
-    payload is copied and the copy checked against ``checksum`` first (None: it fails; nothing is
-    made of it); the copy is read as the header's raw tensor (layout, shape, dtype) and encoded
-    into a new record of the same block (:func:`kvtier_protocol.block.encode_block`: canonical
-    layout, the codec's default parameters but K's axis, ``k_axis`` for MHA int codecs
+    payload is copied into this thread's scratch buffer, hashed as it is copied, and checked
+    against ``checksum`` first (None: it fails; nothing is made of it), so a client writing to its
+    shared memory meanwhile cannot make the daemon encode unverified bytes; the copy is read as
+    the header's raw tensor (layout, shape, dtype) and encoded into a new record of the same block
+    (:func:`kvtier_protocol.block.encode_block_into`: canonical layout, the codec's default
+    parameters but K's axis, ``k_axis`` for MHA int codecs
     (:func:`~kvtier.daemon.store.config.tier_quant`), ``rope_dims`` trailing MLA latent dims kept
-    raw); its payload is copied into a buffer of ``pool`` and that buffer checked against the new
-    header's checksum. A block the codec refuses (NaN or Inf, a layout it cannot read) keeps its
-    record: the verified copy under the old header. The caller checked each header is raw float KV.
+    raw) whose payload is written straight into a buffer of ``pool``: the new header's checksum is
+    that of the buffer itself, so the bytes handed to the disk are the bytes hashed. A block the
+    codec refuses (NaN or Inf, a layout it cannot read) keeps its record: the verified copy under
+    the old header, copied into a pool buffer and checked there. The caller checked each header is
+    raw float KV.
     """
     import torch  # noqa: PLC0415  (a store without a lossy disk codec never loads torch here)
 
-    from kvtier_protocol.block import encode_block, torch_dtype  # noqa: PLC0415  (imports torch)
+    from kvtier_protocol.block import encode_block_into, torch_dtype  # noqa: PLC0415  (imports torch)
 
     out: list[Recoded | None] = []
     for header, view, checksum, rope_dims, codec in items:
-        copy = bytearray(view)  # writable: torch reads it without a warning, and owns nothing of the slot
-        if payload_checksum(copy) != checksum:
+        copy = _scratch(view.nbytes)
+        if copy_checksummed(view, copy) != checksum:
             out.append(None)
             continue
         h, _ = decode_header(header)
+        # a view of the scratch buffer: the encoder reads it before this thread copies anything else there
         tensor = torch.frombuffer(copy, dtype=torch.uint8).view(torch_dtype(h.dtype)).reshape(h.shape)
+        taken: list[memoryview] = []
+
+        def alloc(nbytes: int) -> memoryview:
+            taken.append(buf := pool.get(nbytes))
+            return buf
+
         try:
             quant = tier_quant(codec, k_axis, mla=get_layout(h.layout).is_mla)
-            record = encode_block(tensor, ns_id=h.ns_id, chain_hash=h.chain_hash, parent_hash=h.parent_hash,
-                                  layout=h.layout, codec=codec, quant=quant, num_tokens=h.num_tokens,
-                                  ns_fields=dict(h.ns_fields) if h.ns_fields is not None else None,
-                                  created_ms=h.created_ms, mla_rope_dim=rope_dims, compression=compression)
+            new_header, payload, new_checksum = encode_block_into(
+                tensor, alloc=alloc, ns_id=h.ns_id, chain_hash=h.chain_hash, parent_hash=h.parent_hash,
+                layout=h.layout, codec=codec, quant=quant, num_tokens=h.num_tokens,
+                ns_fields=dict(h.ns_fields) if h.ns_fields is not None else None, created_ms=h.created_ms,
+                mla_rope_dim=rope_dims, compression=compression)
         except KVTierError:  # data the codec refuses: the block goes down exact, as it is
-            out.append(_pooled(pool, header, memoryview(copy), checksum, lossy=False))
+            for buf in taken:
+                pool.give_back(buf)
+            out.append(_pooled(pool, header, copy, checksum, lossy=False))
             continue
-        new, payload = split_record(record)
-        out.append(_pooled(pool, record[:len(record) - new.payload_len], payload, new.checksum, lossy=True))
+        for buf in taken:  # buffers of an encode that started over (float32 scales)
+            if buf is not payload:
+                pool.give_back(buf)
+        out.append(Recoded(new_header, payload, new_checksum, lossy=True))
     return out
 
 
+_local = threading.local()
+
+
+def _scratch(nbytes: int) -> memoryview:
+    """This thread's scratch buffer, ``nbytes`` of it (grown, never shrunk: a pool thread keeps one
+    block's worth instead of allocating and faulting in a new one per block)."""
+    buf = getattr(_local, "scratch", None)
+    if buf is None or len(buf) < nbytes:
+        buf = _local.scratch = bytearray(nbytes)  # a new one: tensors of the old one may still be alive
+    return memoryview(buf)[:nbytes]
+
+
 def _pooled(pool: BufferPool, header: bytes, payload: memoryview, checksum: int, *, lossy: bool) -> Recoded | None:
-    """``payload`` copied into a buffer of ``pool`` and verified there (None: the copy differs)."""
+    """``payload`` copied into a buffer of ``pool`` and verified there, in one pass (None: the copy differs)."""
     buf = pool.get(payload.nbytes)
-    copy_into(buf, payload)
-    if payload_checksum(buf) != checksum:
+    if copy_checksummed(payload, buf) != checksum:
         pool.give_back(buf)
         return None
     return Recoded(bytes(header), buf, checksum, lossy)

@@ -25,6 +25,12 @@ Rows (events/s, higher is better), per geometry:
   * ``decode only``: :func:`decode_batch` of every batch in this process, next to
     ``msgpack.unpackb`` of the same bytes: how close the checked decoder is to msgpack itself.
 
+The process runs under the daemon's garbage-collector policy (``daemon.gc_freeze``, on by default;
+:mod:`kvtier.daemon.server.collector`): the youngest generation's threshold raised to
+:data:`~kvtier.daemon.server.collector.GEN0_THRESHOLD` and what is alive once a workload is made
+frozen, so collections skip it as the daemon's skip its index. Without it, every full collection
+walked the pre-made workload (~20% of a 256-token repetition), a cost the daemon does not have.
+
 Each geometry is measured again in kvtier's packed form (SPEC.md §9.8, the hub's opt-in
 ``packed_endpoint``: token ids as little-endian u32 bins, decoded with ``decode_batch(...,
 packed=True)`` into arrays), a separate case with the same three rows against raw pyzmq and
@@ -39,6 +45,7 @@ what a stuck subscriber does not take, so it must not slow the caller (the store
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import multiprocessing as mp
 import time
@@ -52,6 +59,7 @@ import zmq
 from kvtier.bench.report import (Row, Samples, SuiteResult, Timer, alternate_many, latency_row,
                                  progress, quantile, throughput_row)
 from kvtier.daemon.config import EventsConfig
+from kvtier.daemon.server.collector import GEN0_THRESHOLD
 from kvtier.daemon.server.event_translate import BlockTokens, EventTranslator
 from kvtier.daemon.server.events import EventHub
 from kvtier.daemon.store.stats import EventKind, StoreEvent
@@ -100,15 +108,20 @@ def run(args: argparse.Namespace) -> SuiteResult:
                                                         "raw": raw.getsockopt_string(zmq.LAST_ENDPOINT)}),
                       name="kvtier-bench-events-sub", daemon=True)
     sub.start()
+    threshold = gc.get_threshold()
+    gc.set_threshold(GEN0_THRESHOLD, *threshold[1:])  # the daemon's policy (see the module doc)
     try:
         _expect(parent, "connected", 60.0)
         for block_tokens, hash_tokens in geometries:
             work = Workload.make(block_tokens, hash_tokens, total, batch, args.chain)
+            gc.freeze()  # the workload, as the daemon freezes its long-lived objects
             progress(f"events: {block_tokens}-token blocks, {work.units} hashes each: {work.events} events "
                      f"in {len(work.publishes)} publishes of {batch}, {reps} repetitions")
             result.rows += _rows(work, hub, packed_hub, raw, parent, reps)
         result.rows += _stuck_rows(zctx, reps)
     finally:
+        gc.unfreeze()
+        gc.set_threshold(*threshold)
         parent.send(("stop",))
         sub.join(10)
         if sub.is_alive():

@@ -4,6 +4,7 @@ says (no speed asserts)."""
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 from dataclasses import fields
@@ -21,8 +22,11 @@ from kvtier_protocol.events import BlockRemoved, BlockStored, decode_batch, deco
 
 def test_quick_events_bench_writes_both_forms_rows_per_geometry(tmp_path: Path) -> None:
     out = tmp_path / "events.json"
+    threshold = gc.get_threshold()
     assert main(["bench", "events", "--quick", "--repetitions", "1", "--json", str(out),
                  "--geometry", "16/16,64/16", "--events", "256", "--batch", "64", "--chain", "8"]) == 0
+    # the run sets the daemon's collector policy (raised threshold, workload frozen) and undoes it
+    assert gc.get_threshold() == threshold and gc.get_freeze_count() == 0
     doc = json.loads(out.read_text())
     assert doc["suite"] == "events"
     names = {f.name for f in fields(Row)}

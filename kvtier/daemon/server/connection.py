@@ -36,7 +36,7 @@ import itertools
 import logging
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from kvtier_protocol import frames as fr
@@ -115,6 +115,8 @@ class Connection:
         # drain() returns only once every byte written is in the kernel: a get's lease is held
         # until then (its payload is sent from the slots), and a write never buffers ahead
         writer.transport.set_write_buffer_limits(high=0)
+        self._transport = writer.transport
+        self._writers = 0  # writers in _write: holding the write lock or waiting for it
         self._gathers = writes_gathered(writer.transport)
         self._tasks: set[asyncio.Task[None]] = set()
         self._reading: asyncio.Task[None] | None = None
@@ -219,12 +221,13 @@ class Connection:
                 self.ctx.metrics.observe_request(_op_label(frame.op), busy.code, 0.0)
                 await self._send(fr.error_response(frame.id, busy, _known_op(frame.op)))
             else:
-                task = asyncio.create_task(self._serve_one(frame))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
-                if charged:  # the payload's bytes stay charged while its request may use them
-                    task.add_done_callback(lambda _, n=charged: self._uncharge(n))
-                    charged = 0
+                task = self._start(frame)
+                if task is not None:
+                    self._tasks.add(task)
+                    task.add_done_callback(self._tasks.discard)
+                    if charged:  # the payload's bytes stay charged while its request may use them
+                        task.add_done_callback(lambda _, n=charged: self._uncharge(n))
+                        charged = 0
             frame = None  # the request owns it now: its payload buffer is reusable once that ends
             self._uncharge(charged)
 
@@ -290,17 +293,72 @@ class Connection:
 
     # --- one request ---------------------------------------------------------------------------
 
-    async def _serve_one(self, frame: fr.Frame) -> None:
+    def _start(self, frame: fr.Frame) -> asyncio.Task[None] | None:
+        """Serve a request after the hello: in the read loop itself as far as it goes without
+        waiting, else in a task of its own, which is returned (None: answered already).
+
+        A task per request cost more than most requests (a grant, a place, an acquire or a
+        release is a few store calls): its creation, scheduling and steps, and a write lock and
+        a drain per answer. So the handlers of :meth:`RequestHandler.runs_inline` requests are
+        started here (``coro.send``); one that finishes is answered at once, written straight
+        to the transport when nothing is queued before it (:meth:`_write_now`); one that
+        suspends goes on in a task from where it stopped, as does an answer that has to wait
+        for room in the socket. The next frame is read only after that, so requests are still
+        started, and answered when they finish at once, in the order they came."""
         started = time.perf_counter()
+        op = _known_op(frame.op)
+        try:
+            req = fr.validate_request(frame, limits=self.limits)
+            if isinstance(req, fr.HelloRequest) or not self.handler.runs_inline(req, self.session):
+                return asyncio.create_task(self._serve_one(frame, req, started))
+            self._check_allowed(req)
+            coro = self.handler.handle(req, self.session)
+            try:
+                yielded = coro.send(None)
+            except StopIteration as stop:
+                response: fr.Message = stop.value
+            else:  # it waits for something: the rest in a task, the first step done
+                return asyncio.create_task(self._serve_one(frame, None, started, (coro, yielded)))
+            try:
+                bufs = fr.encode_message(response, limits=self.limits)
+            except KVTierError as exc:  # e.g. a response header above max_header_len
+                bufs = fr.encode_frame(fr.error_response(response.id, exc, response.OP), limits=self.limits)
+            if id(response) in self.session.after_send:  # sent from slots (a get's): the task knows how
+                return asyncio.create_task(self._serve_one(frame, None, started, response=response))
+            status = "ok"
+        except KVTierError as exc:
+            status = exc.code
+            bufs = fr.encode_frame(fr.error_response(frame.id, exc, op), limits=self.limits)
+        except Exception as exc:  # a bug: answer `internal`, keep the connection (frame intact)
+            status = "internal"
+            log.exception("%s: %s request %d failed", self.peer, op or "unknown", frame.id)
+            bufs = fr.encode_frame(fr.error_response(frame.id, exc, op), limits=self.limits)
+        self.ctx.metrics.observe_request(_op_label(op), status, time.perf_counter() - started)
+        if self._write_now(bufs):
+            return None
+        self._writers += 1  # at once: no later answer is written before this one
+        return asyncio.create_task(self._write(bufs, counted=True))  # after what is queued
+
+    async def _serve_one(self, frame: fr.Frame, req: fr.Request | None = None, started: float | None = None,
+                         resume: tuple[Coroutine[Any, Any, fr.Message], Any] | None = None,
+                         response: fr.Message | None = None) -> None:
+        """Serve ``frame`` in this task (validated as ``req``, if it was already; ``resume``: a
+        handler started by :meth:`_start` and what it waits for; ``response``: its answer)."""
+        started = time.perf_counter() if started is None else started
         op = _known_op(frame.op)
         status = "ok"
         try:
-            req = fr.validate_request(frame, limits=self.limits)
-            if isinstance(req, fr.HelloRequest):
-                await self._hello(req)
-                return
-            self._check_allowed(req)
-            response = await self.handler.handle(req, self.session)
+            if response is not None:
+                pass
+            elif resume is not None:
+                response = await _resume(*resume)
+            else:
+                req = fr.validate_request(frame, limits=self.limits) if req is None else req
+                if isinstance(req, fr.HelloRequest):
+                    await self._hello(req)
+                    return
+                self._check_allowed(req)
+                response = await self.handler.handle(req, self.session)
             try:
                 await self._send_message(response)
             finally:
@@ -391,17 +449,59 @@ class Connection:
     async def _send(self, header: dict[str, Any]) -> None:
         await self._write(fr.encode_frame(header, limits=self.limits))
 
-    async def _write(self, bufs: list[fr.Buffer]) -> None:
+    def _write_now(self, bufs: list[fr.Buffer]) -> bool:
+        """Write a frame without waiting, where nothing is queued before it: no writer holds or
+        waits for the write lock, and the transport's buffer is empty. Returns True when that
+        was so (the frame is written, or dropped on a closed connection), False when nothing was
+        written (:meth:`_write` then). What the socket did not take at once is drained by a
+        writer that holds the lock meanwhile (:meth:`_drain_now`), as :meth:`_write` would."""
+        if self._closed or self._transport.is_closing():
+            return True
+        if self._writers or self._transport.get_write_buffer_size():
+            return False
+        if not self._put_bytes(bufs):
+            return True
+        if self._transport.get_write_buffer_size():  # the peer reads slowly: later frames queue
+            self._writers += 1  # at once, before the task starts: nothing is written ahead of it
+            task = asyncio.create_task(self._write([], counted=True))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        return True
+
+    def _put_bytes(self, bufs: list[fr.Buffer]) -> bool:
+        """Hand a frame's buffers to the transport; False when the connection broke."""
+        transport = self._transport
+        try:
+            if len(bufs) == 1:
+                transport.write(bufs[0])
+            elif self._gathers or sum(len(b) for b in bufs) <= JOIN_WRITE_BYTES:
+                transport.writelines(bufs)
+            else:  # Python 3.11's writelines joins its buffers: one more copy of a payload
+                for buf in bufs:
+                    transport.write(buf)
+        except (ConnectionError, OSError):
+            self._closed = True
+            return False
+        return True
+
+    async def _write(self, bufs: list[fr.Buffer], *, counted: bool = False) -> None:
+        """Write a frame once the frames before it are out of the way (``counted``: the caller
+        counted this writer in ``_writers`` already), and wait until the socket took it all."""
+        if not counted:
+            self._writers += 1
+        try:
+            await self._write_locked(bufs)
+        finally:
+            self._writers -= 1
+
+    async def _write_locked(self, bufs: list[fr.Buffer]) -> None:
         async with self._write_lock:  # frames of concurrent responses never interleave
             if self._closed or self.writer.is_closing():
                 return
             try:
-                if self._gathers or sum(len(b) for b in bufs) <= JOIN_WRITE_BYTES:
-                    self.writer.writelines(bufs)
-                else:  # Python 3.11's writelines joins its buffers: one more copy of a payload
-                    for buf in bufs:
-                        self.writer.write(buf)
-                if self.writer.transport.get_write_buffer_size():  # else the socket took it all: no wait
+                if bufs and not self._put_bytes(bufs):
+                    return
+                if self._transport.get_write_buffer_size():  # else the socket took it all: no wait
                     async with asyncio.timeout(self.idle_timeout_s):
                         await self.writer.drain()
             except TimeoutError:  # first: TimeoutError is an OSError
@@ -419,6 +519,13 @@ class Connection:
         The transport's own buffer must be empty first, or bytes queued earlier would arrive
         after the frame sent beside it.
         """
+        self._writers += 1
+        try:
+            await self._send_fds_locked(data, fds)
+        finally:
+            self._writers -= 1
+
+    async def _send_fds_locked(self, data: bytes, fds: list[int]) -> None:
         async with self._write_lock:
             transport = self.writer.transport
             deadline = time.monotonic() + FDS_SEND_TIMEOUT_S
@@ -466,6 +573,36 @@ class Connection:
             self.writer.transport.abort()
         except (ConnectionError, OSError):
             pass
+
+
+async def _resume(coro: Coroutine[Any, Any, Any], waiting: Any) -> Any:
+    """Run a coroutine that was started by hand (``coro.send(None)``) and suspended on
+    ``waiting`` (what it yielded: a future, or None for a bare yield) to its end, in the
+    calling task, as if that task had run it from the start: results and errors of what it
+    waits for (the cancellation of this task included) are passed on to it.
+
+    Returns:
+        The coroutine's result (its errors are raised).
+    """
+    while True:
+        try:
+            if waiting is None:
+                await asyncio.sleep(0)
+            else:
+                # What a task does with a future its coroutine yields: the coroutine has
+                # yielded it already, and a future refuses to be awaited twice while blocking.
+                waiting._asyncio_future_blocking = False
+                await waiting
+        except BaseException as exc:  # its own errors, or this task's cancellation: the coroutine's to handle
+            try:
+                waiting = coro.throw(exc)
+            except StopIteration as stop:
+                return stop.value
+            continue
+        try:
+            waiting = coro.send(None)
+        except StopIteration as stop:
+            return stop.value
 
 
 def _known_op(op: str | None) -> str | None:

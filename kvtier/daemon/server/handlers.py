@@ -131,6 +131,17 @@ class RequestHandler:
         """The scope a session's requests go to (the default one until its hello chose another)."""
         return session.scope if session.scope is not None else self.ctx.scope()
 
+    def runs_inline(self, req: fr.Request, session: Session) -> bool:
+        """Whether a connection may start ``req``'s handler inside its read loop, before reading
+        the next frame (kvtier.daemon.server.connection): the operations that are store calls
+        (they mostly finish without waiting for anything, and one that does wait goes on in a task
+        of its own). Not the ones that may reach the remote tier: its client may tie a timeout to
+        the task running when it starts, which would be the connection's reader."""
+        op = req.OP
+        if op in _INLINE_OPS:
+            return True
+        return op in _INLINE_UNLESS_REMOTE and not self.scope(session).store.remote.enabled
+
     async def handle(self, req: fr.Request, session: Session) -> fr.Message:
         """Run one request and return its typed response.
 
@@ -463,6 +474,8 @@ async def _undo(store: TieredStore, ns_id: bytes, hashes: Sequence[bytes], ok: S
 
 
 _SHM_OPS = frozenset({"reserve", "commit", "acquire", "grant", "place"})
+_INLINE_OPS = frozenset({"ping", "stats", "reserve", "commit", "grant", "place", "release"})
+_INLINE_UNLESS_REMOTE = frozenset({"lookup", "acquire"})
 _PLACED = PlaceStatus.PLACED
 _NOT_RESERVED = {PutStatus.STORED: fr.EXISTS, PutStatus.PENDING: fr.EXISTS, PutStatus.FULL: None}
 _PUT_RESULT = {PutStatus.STORED: "exists", PutStatus.PENDING: "exists", PutStatus.FULL: "full",

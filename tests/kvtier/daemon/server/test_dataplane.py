@@ -246,12 +246,26 @@ async def test_requests_beyond_max_inflight_are_busy(tmp_path):
     async with open_plane(tmp_path, max_inflight=2) as p:
         peer = await p.connect(p.tcp, token=TOKEN)
         # One write of many frames: the daemon reads them all before any request task runs.
-        await peer.send_bytes(b"".join(fr.encode_frame_bytes({"op": "ping", "id": i}) for i in range(100, 140)))
+        # (delete is served in a task of its own: a ping would be answered in the read loop.)
+        frames = (fr.encode_frame_bytes({"op": "delete", "id": i, "ns_id": NS.ns_id, "hashes": [bytes(32)]})
+                  for i in range(100, 140))
+        await peer.send_bytes(b"".join(frames))
         replies = [await peer.recv() for _ in range(40)]
         assert sorted(r.id for r in replies) == list(range(100, 140))
         codes = [r.header["err"]["code"] for r in replies if not r.header["ok"]]
         assert codes and set(codes) == {"busy"} and len(codes) <= 38
         ok(await peer.call("ping"))
+
+
+async def test_requests_answered_in_the_read_loop_are_never_busy(tmp_path):
+    async with open_plane(tmp_path, max_inflight=2) as p:
+        peer = await p.connect(p.tcp, token=TOKEN)
+        # Pings are answered before the next frame is read: none is in flight when it comes,
+        # and the answers leave in the order the requests came.
+        await peer.send_bytes(b"".join(fr.encode_frame_bytes({"op": "ping", "id": i}) for i in range(100, 140)))
+        replies = [await peer.recv() for _ in range(40)]
+        assert [r.id for r in replies] == list(range(100, 140))
+        assert all(r.header["ok"] for r in replies)
 
 
 async def test_pipelined_requests_are_answered_out_of_order(tmp_path):

@@ -69,6 +69,29 @@ def test_request_counters_and_latency_histogram():
     assert LATENCY_BUCKETS[0] == 50e-6 and LATENCY_BUCKETS[-1] == 5.0
 
 
+def test_request_observations_land_where_the_public_histogram_puts_them():
+    # observe_request changes the children's values directly (metrics._fast_observe): every
+    # bucket, the sum and the count equal what Counter.inc and Histogram.observe make of them,
+    # bounds themselves, values between them, zero, negatives and the overflow included.
+    from prometheus_client import CollectorRegistry, Histogram
+    reg = CollectorRegistry()
+    ref = Histogram("ref_seconds", "reference", buckets=LATENCY_BUCKETS, registry=reg)
+    m = Metrics(gpu=False)
+    values = [0.0, -1.0, 7.0, 1e9, *LATENCY_BUCKETS]
+    values += [b * 0.999 for b in LATENCY_BUCKETS] + [b * 1.001 for b in LATENCY_BUCKETS]
+    for v in values:
+        m.observe_request("ping", "ok", v)
+        ref.observe(max(0.0, v))
+    got = samples(m)
+    for bound in [*LATENCY_BUCKETS, float("inf")]:
+        le = "+Inf" if bound == float("inf") else str(float(bound))
+        want = reg.get_sample_value("ref_seconds_bucket", {"le": le})
+        assert got[("kvtier_request_duration_seconds_bucket", (("le", le), ("op", "ping")))] == want, le
+    assert got[("kvtier_request_duration_seconds_sum", (("op", "ping"),))] == pytest.approx(
+        reg.get_sample_value("ref_seconds_sum"))
+    assert value(m, "kvtier_requests_total", op="ping", status="ok") == len(values)
+
+
 def test_label_values_are_bounded():
     m = Metrics(gpu=False)
     m.observe_request('bad"op\nname', "x" * 200, 0.0)

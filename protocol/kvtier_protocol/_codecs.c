@@ -5,7 +5,11 @@
  * runs at 0.1-1 GB/s on CPU; a disk tier writes 1-2 GB/s, so a lossy demotion would be slower
  * than a raw one. Here each block is read twice on encode (statistics, with the NaN/Inf check
  * folded in, then codes) and once on decode, with no temporaries, and the per-group scales and
- * minima between the two passes are computed here too (int_params).
+ * minima between the two passes are computed here too (int_params). The integer codecs' usual
+ * entry, encode_int, makes both passes over one group of rows at a time while it is in the L1
+ * cache (each element converted to float32 once), with the same kernels in the same order;
+ * stats, int_params and quantize remain for fp8 and for the blocks encode_int leaves to them
+ * (NaN/Inf, a range overflowing float32), whose errors they decide as before.
  *
  * The bytes are exactly those of the torch path: the same IEEE-754 binary32 operations in the
  * same order, one rounding each. This file MUST be compiled without -ffast-math and with
@@ -599,9 +603,12 @@ static PyObject *encode_int(PyObject *self, PyObject *args) {
         || !check_buf(&ss, nstats(&q) * es, "scales") || !check_buf(&sm, nstats(&q) * es, "mins")
         || !check_buf(&out, ((q.L - 1) * rows_per_layer + row0 + q.H * q.T) * rowbytes, "out"))
         goto done;
-    /* dim 2: up to g rows, then lo, hi, div, min of D channels; dim 3: one row, then 4 x G */
+    /* dim 2: the g rows of a group, then lo, hi, div, min of its D channels; dim 3: gr rows (about
+     * 16 KiB of them: in L1 until their codes are written), then lo, hi, div, min of their gr x G groups */
     const Py_ssize_t G = q.dim == 2 ? (q.T + q.g - 1) / q.g : (q.D + q.g - 1) / q.g;
-    const Py_ssize_t gr = q.dim == 2 ? (q.g < q.T ? q.g : q.T) : 1, np = q.dim == 2 ? q.D : G;
+    const Py_ssize_t rows16k = 4096 / q.D > 1 ? 4096 / q.D : 1;
+    const Py_ssize_t gr = q.dim == 2 ? (q.g < q.T ? q.g : q.T) : (rows16k < q.T ? rows16k : q.T);
+    const Py_ssize_t np = q.dim == 2 ? q.D : gr * G;
     tile = PyMem_RawMalloc((size_t)(gr * q.D + 4 * np) * 4);
     codes = PyMem_RawMalloc((size_t)q.D + 8);
     if (!tile || !codes) { PyErr_NoMemory(); goto done; }
@@ -631,23 +638,31 @@ static PyObject *encode_int(PyObject *self, PyObject *args) {
                     }
                 }
             } else {
-                for (Py_ssize_t t = 0; t < q.T && !status; t++) {
-                    load_row(src.buf, dt, q.base + l * q.sL + h * q.sH + t * q.sT, q.D, tile);
+                /* gr tokens at a time: their statistics are contiguous (stat0), so one
+                 * group_params call serves gr * G groups instead of G per token */
+                for (Py_ssize_t t0 = 0; t0 < q.T && !status; t0 += gr) {
+                    const Py_ssize_t t1 = t0 + gr < q.T ? t0 + gr : q.T;
                     int bad = 0;
-                    for (Py_ssize_t j = 0; j < G; j++) {
-                        const Py_ssize_t d0 = j * q.g, d1 = d0 + q.g < q.D ? d0 + q.g : q.D;
-                        bad |= minmax_one(tile + d0, d1 - d0, lo + j, hi + j);
+                    for (Py_ssize_t t = t0; t < t1; t++) {
+                        float *row = tile + (t - t0) * q.D;
+                        load_row(src.buf, dt, q.base + l * q.sL + h * q.sH + t * q.sT, q.D, row);
+                        for (Py_ssize_t j = 0; j < G; j++) {
+                            const Py_ssize_t d0 = j * q.g, d1 = d0 + q.g < q.D ? d0 + q.g : q.D, k = (t - t0) * G + j;
+                            bad |= minmax_one(row + d0, d1 - d0, lo + k, hi + k);
+                        }
                     }
                     if (bad) { status = 3; break; }
-                    status = group_params(lo, hi, dv, mn, ss.buf, sm.buf, stat0(&q, G, l, h, t), G, qmax, f16);
-                    if (status) break;
-                    uint8_t *dst = (uint8_t *)out.buf + (l * rows_per_layer + row0 + h * q.T + t) * rowbytes;
-                    uint8_t *c = bits == 8 ? dst : codes;
-                    for (Py_ssize_t j = 0; j < G; j++) {
-                        const Py_ssize_t d0 = j * q.g, d1 = d0 + q.g < q.D ? d0 + q.g : q.D;
-                        q_one(tile + d0, mn[j], dv[j], c + d0, d1 - d0, qmax);
+                    status = group_params(lo, hi, dv, mn, ss.buf, sm.buf, stat0(&q, G, l, h, t0), (t1 - t0) * G, qmax, f16);
+                    for (Py_ssize_t t = t0; t < t1 && !status; t++) {
+                        uint8_t *dst = (uint8_t *)out.buf + (l * rows_per_layer + row0 + h * q.T + t) * rowbytes;
+                        uint8_t *c = bits == 8 ? dst : codes;
+                        const float *row = tile + (t - t0) * q.D, *pm = mn + (t - t0) * G, *pd = dv + (t - t0) * G;
+                        for (Py_ssize_t j = 0; j < G; j++) {
+                            const Py_ssize_t d0 = j * q.g, d1 = d0 + q.g < q.D ? d0 + q.g : q.D;
+                            q_one(row + d0, pm[j], pd[j], c + d0, d1 - d0, qmax);
+                        }
+                        pack_row(c, dst, q.D, bits, rowbytes);
                     }
-                    pack_row(c, dst, q.D, bits, rowbytes);
                 }
             }
         }

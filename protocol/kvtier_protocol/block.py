@@ -117,15 +117,16 @@ def _encode(tensor: torch.Tensor, *, ns_id: bytes, chain_hash: bytes, parent_has
         canonical = to_canonical(tensor, lay)
         if quant is None and lay.is_mla:
             quant = codecs.default_quant(codec, mla=True, rope_dims=mla_rope_dim)
-        if alloc is not None and compression is None:
-            # the sections straight into the destination: no join, no second copy
-            view, lengths, used_quant = codecs.encode_into(canonical, codec, quant, mla=lay.is_mla, alloc=alloc)
+        # the sections into one buffer (the C loops' one pass): the destination itself when nothing
+        # follows the codec (no join, no second copy), else a buffer the compression stage reads
+        into = alloc if alloc is not None and compression is None else bytearray
+        view, lengths, used_quant = codecs.encode_into(canonical, codec, quant, mla=lay.is_mla, alloc=into)
+        if into is alloc:
             direct = (view, lengths)
-            parts = [(name, None) for name, _ in lengths]
-        else:
-            encoded = codecs.encode(canonical, codec, quant, mla=lay.is_mla)
-            parts = [(name, _host_bytes(t)) for name, t in encoded.sections]
-            used_quant = encoded.quant
+        mv, off, parts = memoryview(view), 0, []
+        for name, n in lengths:
+            parts.append((name, mv[off:off + n]))
+            off += n
         out_layout, shape = lay.canonical_name, tuple(canonical.shape)
     tokens = shape[get_layout(out_layout).token_axis]
     if num_tokens is not None and num_tokens != tokens:

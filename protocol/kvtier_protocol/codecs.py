@@ -17,7 +17,8 @@ Two implementations write the same bytes: the C loops of ``kvtier_protocol._code
 setup.py where a C compiler exists; :data:`NATIVE` says whether it loaded) run for CPU tensors of
 float32, bfloat16 and float16, and this module's torch path for everything else (CUDA, fp8
 sources) and as the reference (``native=False``). tests/protocol/test_codecs_native.py compares
-the two byte for byte.
+the two byte for byte. :func:`encode_into` writes the sections straight into a caller's buffer
+(a disk tier's pool buffer, issue 25), the integer codecs in one pass of the C loops.
 
 This implementation assumes a little-endian host (bytes are the wire's little-endian order).
 """

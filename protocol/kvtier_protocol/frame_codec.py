@@ -34,6 +34,7 @@ MAGIC = b"KVTF"
 FRAME_VERSION = 1
 PREAMBLE = struct.Struct("<4sHHIQ")
 PREAMBLE_LEN = PREAMBLE.size  # 20
+_PREAMBLE_PACK = PREAMBLE.pack
 FLAG_PAYLOAD = 0x0001
 U64_MAX = (1 << 64) - 1
 
@@ -129,11 +130,17 @@ def encode_frame(header: dict[str, Any], payload: Payload | None = None, *,
     if not isinstance(header, dict) or not _is_u64(header.get("id")):
         raise FrameError("a frame header is a map with an unsigned 64-bit 'id'")
     try:
-        packed = _packer().pack(header)  # the bytes of msgpack.packb(header, use_bin_type=True)
+        packer = _local.packer
+    except AttributeError:
+        packer = _packer()
+    try:
+        packed = packer.pack(header)  # the bytes of msgpack.packb(header, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as exc:
         raise FrameError(f"header is not encodable as msgpack: {exc}") from exc
     if len(packed) > limits.max_header_len:
         raise LimitExceeded(f"header is {len(packed)} bytes, limit {limits.max_header_len}")
+    if payload is None:  # most frames: one buffer, preamble and header
+        return [_PREAMBLE_PACK(MAGIC, FRAME_VERSION, 0, len(packed), 0) + packed]
     parts: list[Buffer] = []
     if payload is not None:
         views = [payload] if isinstance(payload, (bytes, bytearray, memoryview)) else payload
@@ -225,9 +232,13 @@ def decode_header(buf: Buffer) -> dict[str, Any]:
                                  object_pairs_hook=unique_map)
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
         raise FrameError(f"frame header is not valid msgpack: {exc}") from exc
-    if not isinstance(header, dict) or not all(isinstance(k, str) for k in header):
+    if type(header) is not dict:  # unique_map makes every map a plain dict
         raise FrameError("frame header must be a map with string keys")
-    if not _is_u64(header.get("id")):
+    for key in header:  # a loop, not all(<genexpr>): a generator per frame costs more than the keys
+        if type(key) is not str:  # strict_map_key leaves str and bytes; raw=False makes no subclasses
+            raise FrameError("frame header must be a map with string keys")
+    ident = header.get("id")
+    if type(ident) is not int or not 0 <= ident <= U64_MAX:
         raise FrameError("frame header needs an unsigned 64-bit 'id'")
     return header
 

@@ -192,6 +192,19 @@ class FrameStream(asyncio.BufferedProtocol):
         self._maybe_resume()
         return data
 
+    def read_now(self, n: int) -> bytes | None:
+        """The next ``n`` bytes if they are buffered already, else None (nothing consumed): what
+        :meth:`readexactly` returns without waiting, without a coroutine per call (a frame's
+        preamble and header usually arrive together, often with the frames after them)."""
+        buf = self._buf
+        if len(buf) < n:
+            return None
+        data = bytes(buf[:n])
+        del buf[:n]
+        if self._read_paused:
+            self._maybe_resume()
+        return data
+
     async def read_into(self, view: memoryview) -> None:
         """Fill ``view`` with the next ``len(view)`` bytes: what is buffered already, then the
         rest received by the transport straight into ``view``.

@@ -119,6 +119,7 @@ class Connection:
         self._writers = 0  # writers in _write: holding the write lock or waiting for it
         self._gathers = writes_gathered(writer.transport)
         self._tasks: set[asyncio.Task[None]] = set()
+        self._loop: asyncio.AbstractEventLoop  # the running loop, from serve() on
         self._reading: asyncio.Task[None] | None = None
         self._closed = False
         # The idle timeout is one timer per connection, checked when it fires (_check_idle), not an
@@ -134,7 +135,7 @@ class Connection:
     async def serve(self) -> None:
         """Read and answer frames until the end of the connection, then clean up."""
         self._reading = asyncio.current_task()
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         self._active_at = loop.time()
         self._watchdog = loop.call_at(self._active_at + self.idle_timeout_s, self._check_idle)
         self._hello_timer = loop.call_at(self._active_at + self.hello_timeout_s, self._check_hello)
@@ -260,13 +261,15 @@ class Connection:
         idle timer or shutdown, consumes nothing before the preamble), and the payload bytes
         charged to the budgets for it (the caller releases them with :meth:`_uncharge`)."""
         reader = self.reader
-        try:
-            preamble = await reader.readexactly(fr.PREAMBLE_LEN)
-        except asyncio.IncompleteReadError as exc:
-            if not exc.partial:
-                return None, 0
-            raise Truncated("stream ended inside a frame preamble") from exc
-        loop = asyncio.get_running_loop()
+        preamble = reader.read_now(fr.PREAMBLE_LEN)  # no coroutine where the bytes are here
+        if preamble is None:
+            try:
+                preamble = await reader.readexactly(fr.PREAMBLE_LEN)
+            except asyncio.IncompleteReadError as exc:
+                if not exc.partial:
+                    return None, 0
+                raise Truncated("stream ended inside a frame preamble") from exc
+        loop = self._loop
         self._active_at, self._in_frame = loop.time(), True
         # Both lengths are checked here, before anything more is read or allocated; before the
         # hello against a hello's size, so a stranger's announcement costs nothing.
@@ -279,7 +282,9 @@ class Connection:
         if charged:
             await self._charge(charged)
         try:
-            head = await reader.readexactly(header_len)
+            head = reader.read_now(header_len)
+            if head is None:
+                head = await reader.readexactly(header_len)
             body = await read_payload(reader, payload_len, self.buffers) if has_payload else None
             header = fr.decode_header(head)
         except asyncio.IncompleteReadError as exc:

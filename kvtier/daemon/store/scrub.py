@@ -14,6 +14,9 @@ copy once, soon after its commit, on the I/O pool and off the request path::
 The queued blocks are taken in batches (:data:`BATCH_BYTES`), one hand-off to the I/O pool
 per batch: a hand-off per block cost more CPU than hashing a 64 KiB block (a thread wake-up and
 a future each, and the GIL passed back and forth). Each block is judged on its own afterwards.
+A batch taken in a pause stops at the next block when a commit comes (the rest go back to the
+front of the queue, for the next pause); one taken because its blocks waited ``MAX_DELAY_S``
+holds only those, and finishes.
 
 A committed slot is never written again until it is freed (and freeing resets the mark), so one
 check holds for the life of the copy. Until it is checked, a block is served unchecked and the
@@ -80,7 +83,8 @@ class CommitScrubber:
         self._last_submit = 0.0  # loop time of the latest commit handed in
         self._task: asyncio.Task[None] | None = None
         self._hashing: asyncio.Future[list[int | None]] | None = None  # the batch hashing on the I/O pool
-        self._stopping = [False]  # read by the hashing thread between blocks: stop() sets it
+        # Read by the hashing thread between blocks: [stop() was called, a commit came].
+        self._flags = [False, False]
         self.checked = 0  # copies found good
         self.dropped = 0  # copies found bad (and their blocks deleted)
 
@@ -93,7 +97,7 @@ class CommitScrubber:
         """Cancel the task and wait for a batch being hashed (it reads host slots, which the store
         unmaps next; it stops at the next block); blocks not checked stay unchecked (readers
         verify them)."""
-        self._stopping[0] = True
+        self._flags[0] = True
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
@@ -107,6 +111,7 @@ class CommitScrubber:
     def submit(self, metas: Iterable[BlockMeta]) -> None:
         """Queue newly committed blocks; what does not fit is left to the readers."""
         now = self._last_submit = asyncio.get_running_loop().time()
+        self._flags[1] = True  # a batch hashed in a pause yields to this commit
         queue = self._queue
         before = len(queue)
         for meta in metas:
@@ -135,47 +140,59 @@ class CommitScrubber:
             while (wait := min(IDLE_S - (loop.time() - self._last_submit),
                                MAX_DELAY_S - (loop.time() - queued_at))) > 0:
                 await asyncio.sleep(wait)  # commits are still coming: let them have the machine
-            batch = self._take_batch()
+            now = loop.time()
+            in_pause = now - self._last_submit >= IDLE_S
+            # In a pause: whatever is queued, yielding to the next commit. Else only the blocks
+            # that waited MAX_DELAY_S, to the end.
+            batch = self._take_batch(None if in_pause else now - MAX_DELAY_S)
             if not batch:
                 continue
             try:
-                await self._check(batch)
+                await self._check(batch, yielding=in_pause)
             except Exception:  # a scrub failure must not end the scrubber; the blocks stay unchecked
                 log.exception("scrubbing %d blocks failed", len(batch))
 
-    def _take_batch(self) -> list[tuple[BlockMeta, Slot]]:
-        """The next queued blocks still to be checked, with their host slots, up to
-        :data:`BATCH_BYTES` of payload (at least one block)."""
+    def _take_batch(self, queued_by: float | None) -> list[tuple[BlockMeta, Slot, float]]:
+        """The next queued blocks still to be checked (only those queued by ``queued_by``, if
+        given), with their host slots and queue times, up to :data:`BATCH_BYTES` of payload."""
         queue = self._queue
-        batch: list[tuple[BlockMeta, Slot]] = []
+        batch: list[tuple[BlockMeta, Slot, float]] = []
         nbytes = 0
-        while queue and nbytes < BATCH_BYTES:
-            meta = queue.popleft()[0]
+        while queue and nbytes < BATCH_BYTES and (queued_by is None or queue[0][1] <= queued_by):
+            meta, queued_at = queue.popleft()
             if _eligible(meta):  # else deleted, evicted, in a move or already checked since queued
-                batch.append((meta, meta.host_slot))  # type: ignore[arg-type]  # eligible: not None
+                batch.append((meta, meta.host_slot, queued_at))  # type: ignore[arg-type]  # eligible: a slot
                 nbytes += meta.size
         return batch
 
-    async def _check(self, batch: list[tuple[BlockMeta, Slot]]) -> None:
+    async def _check(self, batch: list[tuple[BlockMeta, Slot, float]], *, yielding: bool) -> None:
         # No pin: a scrub must never keep eviction from making room. If a copy is freed (and
         # its slot perhaps rewritten) while it is hashed, its digest means nothing and is
         # ignored: a freed copy loses its slot, and a new copy of the block is a verified one.
         view = self.mover.host.view
-        hashing = asyncio.ensure_future(self.mover.run(_digests, [view(slot) for _, slot in batch], self._stopping))
+        self._flags[1] = False
+        hashing = asyncio.ensure_future(self.mover.run(_digests, [view(slot) for _, slot, _ in batch],
+                                                       self._flags, yielding))
         self._hashing = hashing
         digests = await asyncio.shield(hashing)  # a cancelled scrub still lets stop() await the thread
         self._hashing = None
         mark = self.index.mark_host_checked
         bad: list[tuple[BlockMeta, Slot]] = []
-        for (meta, slot), digest in zip(batch, digests):
+        later: list[tuple[BlockMeta, float]] = []
+        for (meta, slot, queued_at), digest in zip(batch, digests):
+            if digest is None:  # not hashed: the scrub stops, or yielded to a commit
+                later.append((meta, queued_at))
+                continue
             # Judged only if it is still the copy that was hashed and in no move (see _eligible).
-            if digest is None or not _eligible(meta) or meta.host_slot != slot:
+            if not _eligible(meta) or meta.host_slot != slot:
                 continue
             if digest == meta.checksum:
                 mark(meta)
                 self.checked += 1
             else:
                 bad.append((meta, slot))
+        if later and not self._flags[0]:
+            self._queue.extendleft(reversed(later))  # first again, for the next pause
         if not bad:
             return
         async with self.mutex:
@@ -198,13 +215,14 @@ def _eligible(meta: BlockMeta) -> bool:
             and not meta.moving)
 
 
-def _digests(views: Sequence[memoryview], stopping: list[bool]) -> list[int | None]:
-    """The xxh3 of each view (on the I/O pool), in order; None for those left when ``stopping``
-    (a one-item flag :meth:`CommitScrubber.stop` sets: the store unmaps the slots next)."""
+def _digests(views: Sequence[memoryview], flags: list[bool], yielding: bool) -> list[int | None]:
+    """The xxh3 of each view (on the I/O pool), in order; None for each one left unhashed once
+    ``flags[0]`` is set (:meth:`CommitScrubber.stop`: the store unmaps the slots next) or, when
+    ``yielding``, ``flags[1]`` (a commit came: it has the machine)."""
     out: list[int | None] = []
     intdigest = xxhash.xxh3_64_intdigest
     for view in views:
-        if stopping[0]:
+        if flags[0] or (yielding and flags[1]):
             out.append(None)
             continue
         n = view.nbytes

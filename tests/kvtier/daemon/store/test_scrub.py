@@ -3,6 +3,8 @@ does not match its checksum is deleted and counted, never reported checked."""
 
 from __future__ import annotations
 
+import asyncio
+
 from kvtier_protocol.header import payload_checksum
 
 from kvtier.daemon.store.scrub import HASH_CHUNK, _digests
@@ -120,13 +122,30 @@ async def test_one_batch_judges_each_block_on_its_own(open_store):
     assert store.index.accounting_errors() == []
 
 
-def test_a_stopping_scrub_leaves_the_rest_of_its_batch_unjudged():
-    # stop() sets the flag the hashing thread reads between blocks: the slots are about to be
-    # unmapped, so it hashes none after that, and answers None (not judged) for them.
+def test_a_stopping_or_yielding_scrub_leaves_the_rest_of_its_batch_unhashed():
+    # Flags the hashing thread reads between blocks: stop() (the slots are about to be unmapped)
+    # ends every batch; a commit ends only a batch hashed in a pause (yielding), whose unhashed
+    # blocks go back to the queue. None: not hashed, so not judged.
     views = [memoryview(make_rec(i).payload) for i in range(3)]
-    stopping = [False]
-    assert _digests(views, stopping) == [payload_checksum(v) for v in views]
+    flags = [False, False]
+    assert _digests(views, flags, True) == [payload_checksum(v) for v in views]
     big = memoryview(bytes(range(256)) * (HASH_CHUNK // 64))  # four chunks: hashed piecewise
-    assert _digests([big], stopping) == [payload_checksum(big)]
-    stopping[0] = True
-    assert _digests(views, stopping) == [None, None, None]
+    assert _digests([big], flags, True) == [payload_checksum(big)]
+    flags[1] = True  # a commit came
+    assert _digests(views, flags, False) == [payload_checksum(v) for v in views]  # overdue blocks: to the end
+    assert _digests(views, flags, True) == [None, None, None]
+    flags[:] = [True, False]  # stop()
+    assert _digests(views, flags, False) == [None, None, None]
+
+
+async def test_blocks_a_commit_interrupted_are_checked_in_the_next_pause(open_store):
+    # Commits keep arriving while the scrub hashes: whatever it yields goes back to the queue,
+    # and every block ends up checked once the commits pause.
+    store = await open_store(host_bytes=64 * BLOCK, host_segment_bytes=64 * BLOCK)
+    recs = [make_rec(i) for i in range(40)]
+    for i in range(0, 40, 4):
+        assert await put(store, recs[i:i + 4]) == [True] * 4
+        await asyncio.sleep(0)  # let the scrub start on what is queued, if it is due
+    await store.drain_scrub()
+    assert store._scrubber.checked == 40 and store.counters.checksum_failures == 0
+    assert await checked_flags(store, recs) == [True] * 40

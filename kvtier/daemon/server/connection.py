@@ -3,7 +3,12 @@
 ::
 
     read loop ─► frame ─► before hello: served inline, one at a time
-                       └► after hello:  one task per request (at most max_inflight, else `busy`)
+                       └► after hello:  a store call (grant, place, acquire, release, ...) is
+                                        started in the read loop; one that finishes at once is
+                                        answered there, straight to the transport when nothing
+                                        is queued before it; one that waits goes on in a task;
+                                        the others (put, get, delete, ...) get a task each
+                                        (tasks: at most max_inflight, else `busy`)
     tasks ─► RequestHandler ─► response ─► write lock ─► socket     (responses in any order)
 
 A frame that cannot be decoded leaves the stream out of sync: it is answered with an error whose

@@ -172,14 +172,19 @@ def recode_verified(items: list[tuple[bytes, memoryview, int, int, str]], k_axis
 
 
 _local = threading.local()
+SCRATCH_KEEP = 32 << 20
+"""Largest scratch buffer a thread keeps between blocks (larger blocks get a buffer of their own)."""
 
 
 def _scratch(nbytes: int) -> memoryview:
-    """This thread's scratch buffer, ``nbytes`` of it (grown, never shrunk: a pool thread keeps one
-    block's worth instead of allocating and faulting in a new one per block)."""
+    """This thread's scratch buffer, ``nbytes`` of it: grown up to :data:`SCRATCH_KEEP`, never
+    shrunk, so a pool thread keeps one block's worth instead of allocating and faulting in a new
+    one per block."""
     buf = getattr(_local, "scratch", None)
     if buf is None or len(buf) < nbytes:
-        buf = _local.scratch = bytearray(nbytes)  # a new one: tensors of the old one may still be alive
+        buf = bytearray(nbytes)  # a new one: tensors of the old one may still be alive
+        if nbytes <= SCRATCH_KEEP:
+            _local.scratch = buf
     return memoryview(buf)[:nbytes]
 
 

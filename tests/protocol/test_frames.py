@@ -666,3 +666,19 @@ def test_encoded_headers_are_msgpack_packb_bytes_after_a_failed_encode_and_on_ot
     thread.start()
     thread.join()
     assert got == [fr.encode_frame_bytes(header)]
+
+
+def test_token_ids_decode_as_arrays_and_encode_back_to_the_same_bytes() -> None:
+    from array import array
+
+    tokens = ([5, 0, 1, 128000], None, [2**40, 7])  # a 0 and a 1 (a BOS) among them; one id above 32 bits
+    sent = fr.CommitRequest(3, 9, (b"h0", None, b"h2"), tokens=tokens)
+    data = wire(sent)
+    got = fr.validate_request(one_frame(data))
+    assert got.tokens == (array("I", tokens[0]), None, array("Q", tokens[2]))
+    assert b"".join(bytes(b) for b in fr.encode_message(got)) == data  # arrays go back out as msgpack ints
+    for bad in ([True], [0, False], [7, 1, True], [-1], [2**63], [1.5], ["1"]):
+        frame = one_frame(wire(fr.CommitRequest(3, 9, (b"h0",), tokens=([4],))))
+        frame.header["tokens"] = [bad]
+        with pytest.raises(InvalidRequest):
+            fr.validate_request(frame)

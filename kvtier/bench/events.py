@@ -49,6 +49,7 @@ import gc
 import hashlib
 import multiprocessing as mp
 import time
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -161,7 +162,9 @@ class Workload:
             for _ in range(batch):
                 digests = [_digest(block, u) for u in range(units)]
                 parent = _digest(block - 1, units - 1) if block % chain else None
-                tokens = tuple((block * block_tokens + t) % 128_000 for t in range(block_tokens))
+                # as the data plane hands them over: the request's ids decoded into an array
+                # (kvtier_protocol.messages.token_lists)
+                tokens = array("I", [(block * block_tokens + t) % 128_000 for t in range(block_tokens)])
                 noted.append(BlockTokens(digests[-1], parent, tokens, tuple(digests)))
                 stored.append(StoreEvent(EventKind.STORED, Tier.HOST, ns.ns_id, digests[-1], parent, block_tokens))
                 block += 1

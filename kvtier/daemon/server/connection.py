@@ -343,8 +343,9 @@ class Connection:
             status = "internal"
             log.exception("%s: %s request %d failed", self.peer, op or "unknown", frame.id)
             bufs = fr.encode_frame(fr.error_response(frame.id, exc, op), limits=self.limits)
+        written = self._write_now(bufs)
         self.ctx.metrics.observe_request(_op_label(op), status, time.perf_counter() - started)
-        if self._write_now(bufs):
+        if written:
             return None
         self._writers += 1  # at once: no later answer is written before this one
         return asyncio.create_task(self._write(bufs, counted=True))  # after what is queued

@@ -465,7 +465,9 @@ class Connection:
         waits for the write lock, and the transport's buffer is empty. Returns True when that
         was so (the frame is written, or dropped on a closed connection), False when nothing was
         written (:meth:`_write` then). What the socket did not take at once is drained by a
-        writer that holds the lock meanwhile (:meth:`_drain_now`), as :meth:`_write` would."""
+        writer task that holds the lock meanwhile (:meth:`_write` of no buffers), as
+        :meth:`_write` would have: later answers queue behind it, and a peer that reads nothing
+        for ``idle_timeout_s`` loses the connection."""
         if self._closed or self._transport.is_closing():
             return True
         if self._writers or self._transport.get_write_buffer_size():

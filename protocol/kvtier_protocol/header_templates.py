@@ -15,7 +15,9 @@ A body matches when every fixed part is byte-identical and every varying value i
 scalar of the one type the full decode accepts for it, whose value passes that key's own check:
 a bin8 hash of the learnt length, nil or a bin8 parent of that length, a uint checksum, nil or a
 uint creation time. Each template is compiled to one regular expression over the whole body
-(fixed parts literal, one group per varying value), so matching is one C-level pass. The fixed
+(fixed parts literal, one group per varying value), so matching is one C-level pass; the bytes
+after the last varying value (often the namespace map) are compared first, as one ``endswith``,
+and the first bytes are the template's lookup key, so the pattern covers only what lies between. The fixed
 bytes being identical means every other key decodes to the identical value, types included, in
 the map the template was validated from; no rule of the full validation ties a varying key to
 another key. So a match is exactly as valid as a full decode, without building one. Anything
@@ -50,8 +52,13 @@ MAX_PREFIXES = 1024
 
 @dataclass(frozen=True, slots=True)
 class _Template(Generic[T]):
-    pattern: re.Pattern[bytes]  # the whole body: fixed parts literally, one group per varying value
-    slots: tuple[int, ...]  # per group, in body order: its key's index in VARYING
+    # The body is ``prefix + middle + tail``: the prefix is the lookup key (equal by the lookup),
+    # the tail (the fixed bytes after the last varying value, often the namespace map) is compared
+    # as one memcmp, and only the middle runs through the pattern: literal bytes cost the regular
+    # expression engine an opcode each.
+    pattern: re.Pattern[bytes]  # the middle: fixed parts literally, one named group per varying value
+    tail: bytes
+    standard: bool  # its groups are _STANDARD_GROUPS (kvtier's writers): match() unrolls those
     value: T  # what the template stands for (a validated header)
 
 
@@ -76,9 +83,17 @@ class TemplateCache(Generic[T]):
         # Read-only (decoders run on several threads: the daemon's I/O pool, a client's callers);
         # a list that learn() changes meanwhile is at worst walked with one template more or less.
         for t in self._by_prefix.get((body[:PREFIX_LEN], limit), ()):
-            values = self._match(t, body)
-            if values is not None:
-                return t.value, values
+            end = len(body) - len(t.tail)
+            if end < PREFIX_LEN or not body.endswith(t.tail):
+                continue
+            m = t.pattern.fullmatch(body, PREFIX_LEN, end)
+            if m is None:
+                continue
+            if t.standard:  # kvtier's writers: unrolled, as this runs for every block committed
+                chain, parent, c8, cx = m.groups()
+                return t.value, [chain, parent, int.from_bytes(c8, "big") if c8 is not None else _uint_value(cx),
+                                 ABSENT]
+            return t.value, self._values(t, m)
         return None
 
     def learn(self, body: bytes, limit: int, value: T) -> bool:
@@ -117,12 +132,13 @@ class TemplateCache(Generic[T]):
         # One regular expression per template: the body is then matched by one C-level pass.
         # A hash or parent of another length than the learnt one does not match (a full decode
         # then learns that length too): a scheme's chain hashes all have one length.
-        parts = []
-        for part, k in zip(fixed, keys):
-            parts.append(re.escape(part))
+        parts = [re.escape(fixed[0][PREFIX_LEN:])]
+        for i, k in enumerate(keys):
+            if i:
+                parts.append(re.escape(fixed[i]))
             parts.append(_value_pattern(k, hash_len, parent_len))
-        parts.append(re.escape(tail))
-        t = _Template(re.compile(b"".join(parts), re.DOTALL), tuple(VARYING.index(k) for k in keys), value)
+        pattern = re.compile(b"".join(parts), re.DOTALL)
+        t = _Template(pattern, tail, pattern.groupindex == _STANDARD_GROUPS, value)
         if self._match(t, body) != [m.get(k, ABSENT) for k in VARYING]:
             return False  # a varying value in an encoding or of a type templates do not take
         key = (body[:PREFIX_LEN], limit)
@@ -135,49 +151,49 @@ class TemplateCache(Generic[T]):
         del candidates[MAX_PER_PREFIX:]
         return True
 
-    @staticmethod
-    def _match(t: _Template[T], body: bytes) -> list[Any] | None:
-        m = t.pattern.fullmatch(body)
-        if m is None:
+    @classmethod
+    def _match(cls, t: _Template[T], body: bytes) -> list[Any] | None:
+        """``body``'s varying values (VARYING order) if it matches ``t``, whose prefix it has."""
+        end = len(body) - len(t.tail)
+        if end < PREFIX_LEN or not body.endswith(t.tail):
             return None
-        values = [ABSENT, ABSENT, ABSENT, ABSENT]
-        for slot, raw in zip(t.slots, m.groups()):
-            values[slot] = _DECODE[slot](raw)
+        m = t.pattern.fullmatch(body, PREFIX_LEN, end)
+        return None if m is None else cls._values(t, m)
+
+    @staticmethod
+    def _values(t: _Template[T], m: re.Match[bytes]) -> list[Any]:
+        """The varying values (VARYING order) of a match of ``t``."""
+        got = m.groupdict()
+        values = [got.get("hash", ABSENT), got.get("parent", ABSENT), ABSENT, ABSENT]
+        if "c8" in got:
+            values[2] = int.from_bytes(got["c8"], "big") if got["c8"] is not None else _uint_value(got["cx"])
+        if "created" in got:
+            values[3] = None if got["created"] is None else _uint_value(got["created"])
         return values
 
 
 def _value_pattern(key: str, hash_len: int, parent_len: int) -> bytes:
-    """The group that matches every encoding of ``key``'s value that a template takes: only those
-    whose decoded value has the type the full decode requires and passes that key's check there."""
+    """The named group(s) that match every encoding of ``key``'s value that a template takes: only
+    those whose decoded value has the type the full decode requires and passes that key's check
+    there. A group holds the value's bytes (a nil parent or creation time leaves its group unset;
+    a checksum is in ``c8`` when a uint 64, its usual encoding, else whole in ``cx``)."""
     if key == "hash":
-        return re.escape(bytes((0xC4, hash_len))) + b"(.{%d})" % hash_len
+        return re.escape(bytes((0xC4, hash_len))) + b"(?P<hash>.{%d})" % hash_len
     if key == "parent":
-        return b"(\\xc0|" + re.escape(bytes((0xC4, parent_len))) + b".{%d})" % parent_len
+        return b"(?:\\xc0|" + re.escape(bytes((0xC4, parent_len))) + b"(?P<parent>.{%d}))" % parent_len
     if key == "csum":
-        return b"(" + _UINT_PATTERN + b")"
+        return b"(?:\\xcf(?P<c8>.{8})|(?P<cx>" + _SHORT_UINT_PATTERN + b"))"
     assert key == "created", "VARYING has four keys"
-    return b"(\\xc0|" + _UINT_PATTERN + b")"
+    return b"(?:\\xc0|(?P<created>" + _UINT_PATTERN + b"))"
 
 
-_UINT_PATTERN = b"[\\x00-\\x7f]|\\xcc.|\\xcd.{2}|\\xce.{4}|\\xcf.{8}"
-"""Every msgpack encoding of an unsigned integer: positive fixint, uint 8 / 16 / 32 / 64."""
+_STANDARD_GROUPS = {"hash": 1, "parent": 2, "c8": 3, "cx": 4}
+"""The groups of a template of ``WIRE_KEYS``-ordered headers without ``created``, by number."""
+_SHORT_UINT_PATTERN = b"[\\x00-\\x7f]|\\xcc.|\\xcd.{2}|\\xce.{4}"
+"""The msgpack encodings of an unsigned integer below 2**32: positive fixint, uint 8 / 16 / 32."""
+_UINT_PATTERN = _SHORT_UINT_PATTERN + b"|\\xcf.{8}"
+"""Every msgpack encoding of an unsigned integer: those and uint 64."""
 
 
 def _uint_value(raw: bytes) -> int:
     return raw[0] if len(raw) == 1 else int.from_bytes(raw[1:], "big")
-
-
-def _decode_hash(raw: bytes) -> bytes:
-    return raw
-
-
-def _decode_parent(raw: bytes) -> bytes | None:
-    return None if raw == b"\xc0" else raw[2:]
-
-
-def _decode_created(raw: bytes) -> int | None:
-    return None if raw == b"\xc0" else _uint_value(raw)
-
-
-_DECODE = (_decode_hash, _decode_parent, _uint_value, _decode_created)
-"""Per index in VARYING (hash, parent, csum, created): a matched group's bytes to the value."""

@@ -253,3 +253,125 @@ def test_threads_decoding_and_learning_at_once_agree_with_the_full_decode():
     for t in threads:
         t.join()
     assert errors == []
+
+
+# --- kvtier's own streams (keys in WIRE_KEYS order, no ``created``): match() reads their groups by
+# number and _specialize builds the header without the frozen class's setters. Each answer there
+# must be the full decode's, header or error.
+
+LLAMA_NS_FIELDS = {"model": "meta-llama/Llama-3.1-8B", "revision": "main", "attention": "mha", "num_layers": 2,
+                   "num_kv_heads": 2, "head_dim": 8, "head_dim_v": 8, "mla_rope_dim": 0, "kv_dtype": "bfloat16",
+                   "kv_codec": "raw", "block_tokens": 16, "hash_tokens": 16, "tp_rank": 0, "tp_size": 1}
+
+
+def llama_header(i: int = 0, **changes) -> BlockHeader:
+    """A connector's header: as :func:`header`, with the namespace map after the checksum."""
+    from types import MappingProxyType
+
+    return header(i, **{"ns_fields": MappingProxyType(dict(LLAMA_NS_FIELDS)), **changes})
+
+
+def _standard_template_of(h: BlockHeader) -> None:
+    fast_decode(encode_header(h))
+    (t,) = [t for ts in H._TEMPLATES._by_prefix.values() for t in ts]
+    assert t.standard, "kvtier's writers' headers take the unrolled path"
+
+
+@pytest.mark.parametrize("make", [header, llama_header])
+def test_a_templated_header_is_a_frozen_block_header_equal_to_the_full_decode(make):
+    _standard_template_of(make(0))
+    for h in [make(1), make(2, parent_hash=None), make(3, checksum=0), make(4, checksum=(1 << 32) - 1),
+              make(5, checksum=1 << 32)]:
+        buf = encode_header(h)
+        assert H._TEMPLATES.match(buf[PREAMBLE_LEN:], H.DEFAULT_MAX_PAYLOAD_LEN) is not None
+        got = fast_decode(buf)
+        assert type(got) is BlockHeader and got == h == full_decode(buf)
+        assert [getattr(got, f) for f in BlockHeader.__slots__] == [getattr(h, f) for f in BlockHeader.__slots__]
+        assert [type(getattr(got, f)) for f in BlockHeader.__slots__] == \
+            [type(getattr(full_decode(buf), f)) for f in BlockHeader.__slots__]
+        with pytest.raises(AttributeError):  # FrozenInstanceError is one
+            got.checksum = 1
+        if h.ns_fields is None:
+            assert hash(got) == hash(h)
+
+
+@pytest.mark.parametrize("make", [header, llama_header])
+@pytest.mark.parametrize("mask", [0x01, 0x80, 0xFF])
+def test_every_byte_of_a_standard_header_flipped_is_judged_as_the_full_decode_judges_it(make, mask):
+    """Exhaustive over positions: each byte of the map flipped (the preamble's xxh3 fixed up, so
+    the map itself is judged), and each byte of the whole record flipped as it is (a checksum or
+    preamble error); the templated answer is always the full decode's."""
+    _standard_template_of(make(0))
+    buf = encode_header(make(7, checksum=0x0123456789ABCDEF))
+    body = buf[PREAMBLE_LEN:]
+    for pos in range(len(body)):
+        mutated = bytearray(body)
+        mutated[pos] ^= mask
+        rec = wrap(bytes(mutated))
+        assert fast_decode(rec) == full_decode(rec), pos
+    for pos in range(len(buf)):
+        mutated = bytearray(buf)
+        mutated[pos] ^= mask
+        assert fast_decode(bytes(mutated)) == full_decode(bytes(mutated)), pos
+
+
+FIXED_FIELD_CHANGES = [
+    dict(num_tokens=8, shape=(2, 2, 2, 8, 8), sections=(Section("payload", 0, 1024),), payload_len=1024),
+    dict(shape=(2, 2, 2, 16, 16), sections=(Section("payload", 0, 4096),), payload_len=4096),
+    dict(layout="vllm-flash", shape=(2, 2, 16, 2, 8)),  # same tokens and bytes, another layout
+    dict(dtype="float16"),
+    dict(codec="int8", quant=QuantParams(bits=8), sections=(Section("data", 0, 1024), Section("scales", 1024, 64)),
+         payload_len=1088),
+    dict(ns_id=bytes(range(1, 17))),
+    dict(chain_hash=bytes(16)),  # another hash length
+    dict(parent_hash=bytes(40)),
+    dict(created_ms=1),
+    dict(extra=(("zz", 1),)),
+]
+
+
+@pytest.mark.parametrize("make", [header, llama_header])
+@pytest.mark.parametrize("change", FIXED_FIELD_CHANGES, ids=lambda c: "+".join(c))
+def test_a_header_that_differs_from_a_template_in_a_fixed_field_is_decoded_in_full(make, change):
+    _standard_template_of(make(0))
+    h = make(1, **change)
+    buf = encode_header(h)
+    assert H._TEMPLATES.match(buf[PREAMBLE_LEN:], H.DEFAULT_MAX_PAYLOAD_LEN) is None
+    assert fast_decode(buf) == h == full_decode(buf)
+
+
+@pytest.mark.parametrize("make", [header, llama_header])
+@pytest.mark.parametrize("key, value", [
+    ("tokens", 17), ("tokens", 16.0), ("layout", "canonicaL"), ("shape", [2, 2, 2, 16, 9]), ("dtype", "bfloat17"),
+    ("codec", "rav"), ("sections", [["payload", 0, 2047]]), ("plen", 2047), ("csum_alg", "xxh3-65"),
+    ("quant", {}), ("ns_fields", {"model": "other"}), ("ns_fields", None), ("ns", bytes(15)),
+])
+def test_a_map_that_differs_from_a_template_in_one_value_is_judged_as_the_full_decode_judges_it(make, key, value):
+    """One fixed key's value changed in the map (valid or not): never the template's answer."""
+    _standard_template_of(make(0))
+    m = _map(make(1))
+    m[key] = value
+    rec = wrap(_canonical_body(m))
+    assert H._TEMPLATES.match(rec[PREAMBLE_LEN:], H.DEFAULT_MAX_PAYLOAD_LEN) is None
+    assert fast_decode(rec) == full_decode(rec)
+
+
+@settings(max_examples=200, deadline=None)
+@given(i=st.integers(0, 1 << 30), hash_len=st.sampled_from([32, 32, 8, 64, 20]),
+       parent=st.sampled_from(["none", "same", "other"]), csum=st.integers(0, (1 << 64) - 1),
+       fields=st.booleans(), cut=st.integers(0, 600))
+def test_fuzz_random_stream_headers_and_their_truncations(i, hash_len, parent, csum, fields, cut):
+    """Random headers of a few streams, whole and cut short anywhere (the preamble kept honest):
+    the templated answer is the full decode's."""
+    H._DECODED.clear()
+    H._TEMPLATES.clear()
+    make = llama_header if fields else header
+    _standard_template_of(make(0))
+    chain = (i * 7919).to_bytes(8, "big") * 8
+    up = {"none": None, "same": chain[:hash_len][::-1], "other": bytes(min(64, hash_len + 1))}[parent]
+    h = make(i, chain_hash=chain[:hash_len], parent_hash=up, checksum=csum)
+    buf = encode_header(h)
+    assert fast_decode(buf) == h == full_decode(buf)
+    body = buf[PREAMBLE_LEN:]
+    rec = wrap(body[:cut % (len(body) + 1)])
+    assert fast_decode(rec) == full_decode(rec)

@@ -313,6 +313,44 @@ class SlabAllocator:
         if len(slab.free) == slab.num_slots:
             self._drop_slab(slab)
 
+    def free_many(self, slots: Sequence[Slot]) -> None:
+        """:meth:`free` each of ``slots``, in order: a delete's or an eviction's batch, with the
+        byte totals updated once for it. A slot of a slab goes back as :meth:`free` puts it back.
+
+        Raises:
+            InvalidRequest: as :meth:`free`; the slots before the bad one are freed.
+        """
+        live, partial_of = self._live, self._partial
+        allocated = requested = 0
+        try:
+            for slot in slots:
+                seg, offset = at = (slot[0], slot[1])
+                got = live.pop(at, None)
+                if got is None or got.requested != slot[2]:
+                    if got is not None:
+                        live[at] = got
+                    raise InvalidRequest(f"{slot} is not an allocated slot")
+                reserved = got.reserved
+                allocated += reserved
+                requested += got.requested
+                slab = got.slab
+                if slab is None:
+                    self._reserved -= reserved
+                    self._free[seg].add(offset, reserved)
+                    continue
+                free = slab.free
+                if not free:
+                    partial = partial_of.get(slab.slot_bytes)
+                    if partial is None:
+                        partial = partial_of[slab.slot_bytes] = {}
+                    partial[slab] = None
+                free.append((offset - slab.offset) // slab.slot_bytes)
+                if len(free) == slab.num_slots:
+                    self._drop_slab(slab)
+        finally:
+            self._allocated -= allocated
+            self._requested -= requested
+
     def adopt(self, slots: Sequence[Slot]) -> list[bool]:
         """Mark ``slots`` handed out, where a previous allocator over the same segments put them
         (a host tier adopted after a crash: :mod:`kvtier.daemon.store.host`). Only before the

@@ -39,6 +39,7 @@ from kvtier.daemon.store.types import Slot
 
 if TYPE_CHECKING:
     import ctypes
+    from collections.abc import Sequence
 
     import torch
 
@@ -326,6 +327,13 @@ class HostTier(SlabBackedTier):
         journal = self._res.journal
         if journal is not None:
             journal.free(slot)
+
+    def free_many(self, slots: Sequence[Slot]) -> None:
+        """:meth:`free` each of ``slots``, in order: one pass over the allocator, one over the journal."""
+        self._alloc.free_many(slots)
+        journal = self._res.journal
+        if journal is not None:
+            journal.free_many(slots)
 
     # --- inspection ----------------------------------------------------------------------------
 

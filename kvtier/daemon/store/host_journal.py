@@ -36,6 +36,7 @@ import contextlib
 import json
 import os
 import struct
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -55,6 +56,7 @@ COMMIT, FREE = 1, 2
 COMPACT_MIN_BYTES = 1 << 20
 FLUSH_BYTES = 256 << 10  # pending appends written at once beyond this, whatever the caller does
 _ENTRY_OVERHEAD = ENTRY.size + DIGEST.size  # bytes of an entry besides its header
+_FREE_ENTRY_BYTES = _ENTRY_OVERHEAD  # a FREE entry carries no header
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,6 +195,29 @@ class SlotJournal:
         if self._pending_bytes >= FLUSH_BYTES:
             self.flush()
 
+    def commit_many(self, items: Iterable[tuple[Slot, int, bytes]]) -> None:
+        """:meth:`commit` of each ``(slot, priority, header)``, in order (the same entries), in
+        one pass: a batch made visible. Pending entries are written past :data:`FLUSH_BYTES`
+        once, at the end of the batch, not within it."""
+        live, pending = self._live, self._pending
+        live_bytes = pending_bytes = 0
+        for slot, priority, header in items:
+            seg, off, length = slot
+            key = (seg, off)
+            old = live.get(key)
+            if old is not None:
+                live_bytes -= len(old[2]) + _ENTRY_OVERHEAD
+            live[key] = (slot, priority, header)
+            live_bytes += len(header) + _ENTRY_OVERHEAD
+            body = _pack_entry(ENTRY_MAGIC, COMMIT, priority, seg, off, length, len(header)) + header
+            entry = body + _pack_digest(_digest(body))  # _entry(COMMIT, slot, priority, header), inline
+            pending.append(entry)
+            pending_bytes += len(entry)
+        self._live_bytes += live_bytes
+        self._pending_bytes += pending_bytes
+        if self._pending_bytes >= FLUSH_BYTES:
+            self.flush()
+
     def free(self, slot: Slot) -> None:
         """Note a journaled slot freed or its block deleted; a slot never journaled is ignored."""
         old = self._live.pop((slot.segment, slot.offset), None)
@@ -200,6 +225,29 @@ class SlotJournal:
             return
         self._live_bytes -= len(old[2]) + ENTRY.size + DIGEST.size
         self._append(_entry(FREE, slot, 0, b""))
+
+    def free_many(self, slots: Sequence[Slot]) -> None:
+        """:meth:`free` each of ``slots``, in order (the same entries), in one pass: a delete's
+        or an eviction's batch. Pending entries are written past :data:`FLUSH_BYTES` once, at
+        the end of the batch, not within it."""
+        pop, pending = self._live.pop, self._pending
+        freed = added = 0
+        for slot in slots:
+            seg, off, length = slot
+            old = pop((seg, off), None)
+            if old is None:
+                continue
+            freed += len(old[2])
+            body = _pack_entry(ENTRY_MAGIC, FREE, 0, seg, off, length, 0)
+            entry = body + _pack_digest(_digest(body))  # _entry(FREE, slot, 0, b""), inline
+            pending.append(entry)
+            added += 1
+        if not added:
+            return
+        self._live_bytes -= freed + added * _ENTRY_OVERHEAD
+        self._pending_bytes += added * _FREE_ENTRY_BYTES
+        if self._pending_bytes >= FLUSH_BYTES:
+            self.flush()
 
     def _append(self, entry: bytes) -> None:
         self._pending.append(entry)

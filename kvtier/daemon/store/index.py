@@ -451,6 +451,46 @@ class BlockIndex:
         self._refresh(meta)
         return slot
 
+    def unplace_many(self, metas: Sequence[BlockMeta], tier: Tier) -> list[Slot]:
+        """:meth:`unplace` the copy of each of ``metas`` in memory tier ``tier`` (each has one),
+        then :meth:`unlink` each block left in no tier; their slots, in order, for the caller to
+        free. A delete's or an eviction's batch: the charges updated once for it, one LRU
+        refresh per block (not one for the unplace and one for the unlink)."""
+        assert tier is _HOST or tier is _GPU, "memory tiers hold slots"
+        host = tier is _HOST
+        blocks, by_ns, committed, refresh = self._blocks, self._by_ns, BlockState.COMMITTED, self._refresh
+        slots: list[Slot] = []
+        append = slots.append
+        nbytes = unlinked_pending = 0
+        for meta in metas:
+            if host:
+                slot = meta.host_slot
+                meta.host_slot = None
+                meta.host_checked = False
+            else:
+                slot = meta.gpu_slot
+                meta.gpu_slot = None
+            assert slot is not None, f"block not in {tier.name}"
+            append(slot)
+            nbytes += meta.size  # charge(tier) of a memory tier
+            if meta.linked and meta.host_slot is None and meta.gpu_slot is None and not meta.on_disk:
+                key = meta.key  # unlink, inline
+                del blocks[key]
+                ns_id = key[:NS_ID_LEN]
+                keys = by_ns[ns_id]
+                keys.discard(key)
+                if not keys:
+                    del by_ns[ns_id]
+                meta.linked = False
+                if meta.state is not committed:
+                    unlinked_pending += 1
+            if meta.queued:  # copies only go: a block in no queue stays in none
+                refresh(meta)
+        self.used[tier] -= nbytes
+        self.count[tier] -= len(slots)
+        self.pending -= unlinked_pending
+        return slots
+
     def mark_host_checked(self, meta: BlockMeta) -> None:
         """Record that the host copy of ``meta`` matched its checksum after it was written; it
         stays so until the copy is freed (a committed slot is never written again)."""

@@ -47,7 +47,8 @@ from kvtier.daemon.store.transfers import (Recoded, gpu_snapshot_verified, gpu_t
                                            snapshot_verified)
 from kvtier.daemon.store.types import NS_ID_LEN, BlockKey, Slot, Tier
 
-_HOST_TIER, _STORED_KIND = Tier.HOST, EventKind.STORED  # module constants: emit runs per block
+# module constants: emit runs per block, and Enum member access is a slow path in Python 3.11
+_GPU_TIER, _HOST_TIER, _STORED_KIND, _REMOVED_KIND = Tier.GPU, Tier.HOST, EventKind.STORED, EventKind.REMOVED
 
 if TYPE_CHECKING:
     from kvtier_protocol.namespace import Namespace
@@ -116,6 +117,21 @@ class Mover:
             key = meta.key  # split_key, inline: this runs per block stored and removed
             events.append(StoreEvent(kind, tier, key[:NS_ID_LEN], key[NS_ID_LEN:], meta.parent_hash, meta.num_tokens))
 
+    def emit_many(self, kind: EventKind, tier: Tier, metas: Sequence[BlockMeta]) -> None:
+        """:meth:`emit` of each of ``metas``, in order (one tier, one kind: a batch's events,
+        built in one pass and queued in one step)."""
+        if not metas:
+            return
+        if tier is _HOST_TIER and kind is _STORED_KIND:
+            journal = self.host.journal  # host.journal_commit of each, in one pass
+            if journal is not None:
+                journal.commit_many([(m.host_slot, m.priority, m.header) for m in metas])  # type: ignore[misc]
+        events = self.events
+        if events.enabled:
+            new, n = StoreEvent, NS_ID_LEN
+            events.extend([new(kind, tier, key[:n], key[n:], meta.parent_hash, meta.num_tokens)
+                           for meta in metas for key in (meta.key,)])
+
     def memory(self, tier: Tier) -> HostTier | GpuTier:
         """The slot pool of a memory tier (GPU or host)."""
         if tier is Tier.HOST:
@@ -181,13 +197,16 @@ class Mover:
             for meta in victims:
                 self.index.set_moving(meta, False)
         # Only now, with every lower copy written and verified, are these copies freed.
-        for meta in victims:
-            rec = recoded.get(meta) if tier is Tier.HOST and recoded else None
-            if rec is None:
-                self.free_copy(meta, tier)
-            else:
-                self._swap_to_disk(meta, rec)
-            self.counters.tiers[tier].evictions += 1
+        if tier is Tier.HOST and recoded:
+            for meta in victims:
+                rec = recoded.get(meta)
+                if rec is None:
+                    self.free_copy(meta, tier)
+                else:
+                    self._swap_to_disk(meta, rec)
+        else:
+            self.free_copies(victims, tier)  # free_copy of each, in one pass
+        self.counters.tiers[tier].evictions += len(victims)
         return True
 
     def wants_disk(self, meta: BlockMeta) -> bool:
@@ -214,6 +233,17 @@ class Mover:
             self.emit(EventKind.REMOVED, tier, meta)
         if not meta.tiers:
             self.index.unlink(meta)
+
+    def free_copies(self, metas: Sequence[BlockMeta], tier: Tier, *, announce: bool = True) -> None:
+        """:meth:`free_copy` of each of ``metas`` in memory tier ``tier``, in order: the same
+        slots freed, journal entries, REMOVED events and unlinks, with one pass over the index
+        (:meth:`BlockIndex.unplace_many`), one over the slot pool and one over the events."""
+        if not metas:
+            return
+        slots = self.index.unplace_many(metas, tier)
+        self.memory(tier).free_many(slots)
+        if announce:
+            self.emit_many(_REMOVED_KIND, tier, [m for m in metas if m.committed])
 
     def free_memory(self, meta: BlockMeta, *, announce: bool = True) -> None:
         """Free every memory copy of ``meta`` (GPU and host); unlink it if nothing is left."""
@@ -243,8 +273,21 @@ class Mover:
         last reader releases it.
         """
         await self.delete_disk(metas, force=True)
+        self.counters.deletes += len(metas)
+        if not any(m.leases or m.gpu_slot is not None for m in metas):
+            # The common delete: nothing leased, nothing in GPU memory. free_memory of each is
+            # free_copy of its host copy (and an unlink, done already by delete_disk for those
+            # only on disk): in one pass, the same frees, journal entries and events in order.
+            in_host = [m for m in metas if m.host_slot is not None]
+            if len(in_host) < len(metas):
+                for meta in metas:
+                    if meta.host_slot is None:
+                        self.index.unlink(meta)  # a no-op for one delete_disk unlinked
+            self.free_copies(in_host, _HOST_TIER)  # unlinks them too: they are left in no tier
+            assert not any(m.linked for m in metas), "removed blocks are unreachable"
+            self.host.journal_flush()  # a deleted block never comes back after a crash
+            return
         for meta in metas:
-            self.counters.deletes += 1
             if meta.leases:
                 for tier in MEMORY_TIERS:
                     if meta.in_tier(tier):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kvtier.daemon.store.allocator import AllocatorStats, SlabAllocator
 from kvtier.daemon.store.types import Slot
 
@@ -34,6 +36,10 @@ class SlabBackedTier:
     def free(self, slot: Slot) -> None:
         """Return a slot. Raises InvalidRequest for a slot that is not allocated."""
         self._alloc.free(slot)
+
+    def free_many(self, slots: Sequence[Slot]) -> None:
+        """:meth:`free` each of ``slots``, in order, in one pass (:meth:`SlabAllocator.free_many`)."""
+        self._alloc.free_many(slots)
 
     @property
     def capacity(self) -> int:

@@ -175,19 +175,26 @@ class EventLog:
     def __init__(self, max_events: int, counters: StoreCounters) -> None:
         self._max = max_events
         self._counters = counters
-        self._queue: deque[StoreEvent] = deque()
-
-    @property
-    def enabled(self) -> bool:
-        return self._max > 0
+        # Bounded by the deque itself: an append or extend past the bound drops the oldest.
+        self._queue: deque[StoreEvent] = deque(maxlen=max(max_events, 0))
+        self.enabled = max_events > 0  # whether events are recorded (an attribute: asked per block)
 
     def append(self, event: StoreEvent) -> None:
         if self._max <= 0:
             return
         if len(self._queue) >= self._max:
-            self._queue.popleft()
             self._counters.events_dropped += 1
         self._queue.append(event)
+
+    def extend(self, events: list[StoreEvent]) -> None:
+        """:meth:`append` each of ``events``, in order, in one step (a batch's events)."""
+        if self._max <= 0:
+            return
+        queue = self._queue
+        over = len(queue) + len(events) - self._max
+        if over > 0:
+            self._counters.events_dropped += over
+        queue.extend(events)
 
     def take(self) -> list[StoreEvent]:
         """Return every queued event, oldest first, and empty the queue."""

@@ -259,9 +259,20 @@ class BlockWriter:
         c = self.counters
         c.commits += len(metas)
         tiers = c.tiers
-        host_bytes = gpu_bytes = 0
         mover = self.mover
-        emit, remote = mover.emit, mover.remote
+        remote = mover.remote
+        if not any(m.gpu_slot is not None for m in metas):
+            # The common batch, reserved in host: its events built and queued in one pass
+            # (emit_many), in the order the loop below would emit them.
+            assert not any(m.on_disk for m in metas), "a trusted commit writes nothing to disk"
+            tiers[_HOST].bytes_in += sum(m.size for m in metas)
+            mover.emit_many(_STORED, _HOST, metas)
+            if remote is not None:
+                for meta in metas:
+                    remote.offer(meta)
+            return
+        host_bytes = gpu_bytes = 0
+        emit = mover.emit
         for meta in metas:
             assert not meta.on_disk, "a trusted commit writes nothing to disk"
             if meta.gpu_slot is not None:  # where it was reserved

@@ -18,6 +18,7 @@ Callers import these from :mod:`kvtier_protocol.header`.
 
 from __future__ import annotations
 
+import struct
 from types import MappingProxyType
 from typing import Any
 
@@ -171,6 +172,10 @@ def decode_header(buf: bytes | bytearray | memoryview, *,
         known = _DECODED.get((buf, max_payload_len))
         if known is not None:
             return known, len(buf)
+        if buf.startswith(_PLAIN_HEAD):
+            h = _templated(buf, max_payload_len)
+            if h is not None:
+                return h, len(buf)
     view = buf if type(buf) is bytes else _byte_view(buf)  # bytes slice and unpack as they are
     header_len, expected, flags = _preamble(view, max_header_len)
     end = PREAMBLE_LEN + header_len
@@ -207,6 +212,39 @@ def decode_header(buf: bytes | bytearray | memoryview, *,
             _DECODED.clear()
         _DECODED[key] = h
     return h, end
+
+
+def _templated(buf: bytes, max_payload_len: int) -> BlockHeader | None:
+    """:func:`decode_header` of ``buf`` when it is exactly an uncompressed header (a commit's, an
+    acquire answer's) of a learnt template, else None (the general path then decides, errors
+    included). The general path's checks in one straight line, for the one case that runs per
+    block committed: the preamble's magic, version and zero flags are ``_PLAIN_HEAD`` (checked by
+    the caller, with ``header_len`` against the limit), ``header_len`` is the rest of ``buf``, the
+    map's xxh3 matches, a template matches and, flags being zero, its header is uncompressed."""
+    if len(buf) < PREAMBLE_LEN:
+        return None
+    header_len, expected = _LEN_XXH3.unpack_from(buf, _PLAIN_HEAD_LEN)
+    if header_len != len(buf) - PREAMBLE_LEN:
+        return None
+    raw = buf[PREAMBLE_LEN:]
+    if xxhash.xxh3_64_intdigest(raw) != expected:
+        return None
+    hit = _TEMPLATES.match(raw, max_payload_len)
+    if hit is None or hit[0][0].compression is not None:
+        return None
+    h = _specialize(*hit)
+    if len(_DECODED) >= _MAX_DECODED:
+        _DECODED.clear()
+    _DECODED[(buf, max_payload_len)] = h
+    return h
+
+
+_PLAIN_HEAD = PREAMBLE.pack(MAGIC, VERSION, 0, 0, 0)[:8]
+"""A preamble's magic, version and flags when no flag is set: a record the general path reads."""
+_PLAIN_HEAD_LEN = len(_PLAIN_HEAD)
+_LEN_XXH3 = struct.Struct("<IQ")
+"""The preamble's ``header_len`` and xxh3 of the map, after ``_PLAIN_HEAD``."""
+assert PREAMBLE.format == "<4sHHIQ" and PREAMBLE.size == _PLAIN_HEAD_LEN + _LEN_XXH3.size
 
 
 def _memoisable(h: BlockHeader) -> bool:

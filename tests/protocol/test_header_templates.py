@@ -375,3 +375,31 @@ def test_fuzz_random_stream_headers_and_their_truncations(i, hash_len, parent, c
     body = buf[PREAMBLE_LEN:]
     rec = wrap(body[:cut % (len(body) + 1)])
     assert fast_decode(rec) == full_decode(rec)
+
+
+def test_the_preamble_of_an_exact_header_is_judged_as_the_full_decode_judges_it():
+    """decode_header's straight path for exactly-a-header bytes (_templated) takes only plain
+    preambles whose lengths and xxh3 agree; every other preamble gets the full decode's answer."""
+    from kvtier_protocol.compression import FLAG_COMPRESSED, Compression
+
+    _standard_template_of(llama_header(0))
+    buf = encode_header(llama_header(1))
+    body = buf[PREAMBLE_LEN:]
+    xxh = xxhash.xxh3_64_intdigest(body)
+    cases = [buf[:n] for n in range(PREAMBLE_LEN + 1)]  # cut inside the preamble, or an empty map
+    cases += [PREAMBLE.pack(b"KVT1", 1, 0, len(body) + d, xxh) + body for d in (-1, 1, 1 << 20)]
+    cases += [PREAMBLE.pack(b"KVT1", 1, flags, len(body), xxh) + body for flags in (FLAG_COMPRESSED, 2, 0x8000)]
+    cases += [PREAMBLE.pack(b"KVT1", 2, 0, len(body), xxh) + body, PREAMBLE.pack(b"KVT2", 1, 0, len(body), xxh) + body,
+              PREAMBLE.pack(b"KVT1", 1, 0, len(body), xxh ^ 1) + body, buf + b"\0", bytearray(buf), memoryview(buf)]
+    for case in cases:
+        assert fast_decode(case) == full_decode(case), bytes(case[:PREAMBLE_LEN])
+    # a compressed stream's template, and its map under a preamble that says "not compressed"
+    comp = llama_header(0, compression=Compression("lz4", ((2, 2048),)), sections=(Section("payload", 0, 1000),),
+                        payload_len=1000)
+    H._TEMPLATES.clear()
+    fast_decode(encode_header(comp))
+    body = encode_header(replace(comp, chain_hash=bytes(32)))[PREAMBLE_LEN:]
+    assert H._TEMPLATES.match(body, H.DEFAULT_MAX_PAYLOAD_LEN) is not None
+    plain = wrap(body)
+    assert fast_decode(plain) is H.HeaderError is full_decode(plain)
+    assert fast_decode(encode_header(replace(comp, chain_hash=bytes(32)))) == replace(comp, chain_hash=bytes(32))

@@ -157,6 +157,12 @@ class BlockIndex:
         meta = self._blocks.get(key)
         return meta if meta is not None and meta.committed else None
 
+    def visible_many(self, keys: Iterable[BlockKey]) -> list[BlockMeta]:
+        """The committed blocks of ``keys``, in order, the others skipped (:meth:`visible` of
+        each, in one pass: a delete's keys)."""
+        committed = BlockState.COMMITTED
+        return [m for m in map(self._blocks.get, keys) if m is not None and m.state is committed]
+
     def lookup(self, keys: Iterable[BlockKey]) -> list[BlockMeta]:
         """The longest run of committed blocks from the start of ``keys``. O(len(result) + 1)."""
         out: list[BlockMeta] = []
@@ -459,6 +465,7 @@ class BlockIndex:
         assert tier is _HOST or tier is _GPU, "memory tiers hold slots"
         host = tier is _HOST
         blocks, by_ns, committed, refresh = self._blocks, self._by_ns, BlockState.COMMITTED, self._refresh
+        host_classes = self._lru[_HOST].classes
         slots: list[Slot] = []
         append = slots.append
         nbytes = unlinked_pending = 0
@@ -484,7 +491,13 @@ class BlockIndex:
                 meta.linked = False
                 if meta.state is not committed:
                     unlinked_pending += 1
-            if meta.queued:  # copies only go: a block in no queue stays in none
+            queued = meta.queued
+            if queued == _HOST_BIT and host and not meta.on_disk:
+                # The common host copy, queued for host eviction only, now in no queue
+                # (_refresh's answer, without it).
+                del host_classes[meta.priority][meta]
+                meta.queued = 0
+            elif queued:  # copies only go: a block in no queue stays in none
                 refresh(meta)
         self.used[tier] -= nbytes
         self.count[tier] -= len(slots)
@@ -566,6 +579,13 @@ class BlockIndex:
     def set_moving(self, meta: BlockMeta, moving: bool) -> None:
         meta.moving = moving
         self._refresh(meta)
+
+    def set_moving_many(self, metas: Iterable[BlockMeta], moving: bool) -> None:
+        """:meth:`set_moving` of each of ``metas``, in order (an eviction's victims)."""
+        refresh = self._refresh
+        for meta in metas:
+            meta.moving = moving
+            refresh(meta)
 
     def victims(self, tier: Tier) -> Iterator[BlockMeta]:
         """Evictable blocks of ``tier`` in eviction order. Collect, then act."""

@@ -39,7 +39,7 @@ from kvtier_protocol.errors import StorageError
 from kvtier.daemon.store.config import StoreConfig
 from kvtier.daemon.store.disk import DiskTier
 from kvtier.daemon.store.host import HostTier
-from kvtier.daemon.store.index import BlockIndex, BlockMeta
+from kvtier.daemon.store.index import BlockIndex, BlockMeta, BlockState
 from kvtier.daemon.store.policy import AdmissionFilter
 from kvtier.daemon.store.remote_link import RemoteLink
 from kvtier.daemon.store.stats import EventKind, EventLog, StoreCounters, StoreEvent
@@ -48,7 +48,8 @@ from kvtier.daemon.store.transfers import (Recoded, gpu_snapshot_verified, gpu_t
 from kvtier.daemon.store.types import NS_ID_LEN, BlockKey, Slot, Tier
 
 # module constants: emit runs per block, and Enum member access is a slow path in Python 3.11
-_GPU_TIER, _HOST_TIER, _STORED_KIND, _REMOVED_KIND = Tier.GPU, Tier.HOST, EventKind.STORED, EventKind.REMOVED
+_HOST_TIER, _STORED_KIND, _REMOVED_KIND = Tier.HOST, EventKind.STORED, EventKind.REMOVED
+_COMMITTED = BlockState.COMMITTED
 
 if TYPE_CHECKING:
     from kvtier_protocol.namespace import Namespace
@@ -183,8 +184,7 @@ class Mover:
         if not victims:
             return False
         recoded: dict[BlockMeta, Recoded] = {}
-        for meta in victims:
-            self.index.set_moving(meta, True)
+        self.index.set_moving_many(victims, True)
         try:
             if tier is Tier.GPU:
                 await self._demote_to_host([m for m in victims if m.host_slot is None])
@@ -194,8 +194,7 @@ class Mover:
                 if self.remote is not None:  # write-back: the records are copied before the slots go
                     await self.remote.offer_copies([m for m in victims if m.gpu_slot is None])
         finally:
-            for meta in victims:
-                self.index.set_moving(meta, False)
+            self.index.set_moving_many(victims, False)
         # Only now, with every lower copy written and verified, are these copies freed.
         if tier is Tier.HOST and recoded:
             for meta in victims:
@@ -243,7 +242,8 @@ class Mover:
         slots = self.index.unplace_many(metas, tier)
         self.memory(tier).free_many(slots)
         if announce:
-            self.emit_many(_REMOVED_KIND, tier, [m for m in metas if m.committed])
+            committed = _COMMITTED  # BlockMeta.committed of each, without the property call
+            self.emit_many(_REMOVED_KIND, tier, [m for m in metas if m.state is committed])
 
     def free_memory(self, meta: BlockMeta, *, announce: bool = True) -> None:
         """Free every memory copy of ``meta`` (GPU and host); unlink it if nothing is left."""

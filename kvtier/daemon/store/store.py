@@ -490,7 +490,7 @@ class TieredStore:
         keys = check.check_keys(self.config, ns_id, hashes)
         async with self._mutex:
             self.reclaim_expired()
-            metas = [m for m in (self.index.visible(k) for k in keys) if m is not None]
+            metas = self.index.visible_many(keys)
             await self.mover.remove(metas)
             return len(metas)
 

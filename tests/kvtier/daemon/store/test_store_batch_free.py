@@ -257,3 +257,14 @@ async def test_eviction_frees_the_oldest_blocks_and_announces_them_first(open_st
     assert store.index.accounting_errors() == []
     store.host.allocator.check()
     assert [NS + r.chain_hash in store.index for r in recs[:12]] == [False] * 4 + [True] * 8
+
+
+def test_index_visible_many_equals_visible_of_each():
+    """Committed, pending and absent keys, in any order: the committed blocks, in order."""
+    index = BlockIndex({Tier.HOST: 100 * BLOCK}, num_classes=2)
+    keys = [NS + bytes([i]) * 32 for i in range(8)]
+    ms = index.add_reserved_many(keys[:6], BLOCK, Tier.HOST, [Slot(0, i * BLOCK, BLOCK) for i in range(6)], 0)
+    for m in ms[::2]:
+        index.commit_reserved(m, b"h", None, 16, 0, 0.0, checked=False)
+    ask = [keys[i] for i in (7, 4, 1, 0, 6, 2, 4)]
+    assert index.visible_many(ask) == [m for m in map(index.visible, ask) if m is not None] == [ms[4], ms[0], ms[2], ms[4]]

@@ -9,7 +9,8 @@ itself. A map is judged by one of three paths, all with the same outcome:
   blocks are loaded again and again; a client checks the record it just encoded);
 * **template** (:mod:`kvtier_protocol.header_templates`): another header of the same stream was
   decoded in full, and these bytes differ from it only in hash, parent, checksum and creation
-  time, each checked on its own;
+  time, each checked on its own (for bytes that are exactly an uncompressed header, the case
+  of every block a daemon commits, :func:`_templated` runs this path's checks in one line);
 * **full decode**: msgpack with a duplicate-key check, every key's type, then
   :class:`~kvtier_protocol.header_types.BlockHeader`'s validation.
 

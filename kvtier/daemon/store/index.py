@@ -361,6 +361,7 @@ class BlockIndex:
         """:meth:`commit_reserved` of each leased pending block ``metas[i]`` with ``headers[i]``
         and its summary ``parsed[i]``: a trusted commit's batch, in one pass."""
         committed, refresh = BlockState.COMMITTED, self._refresh
+        host_classes = self._lru[_HOST].classes
         for meta, buf, h in zip(metas, headers, parsed):
             assert meta.leases > 0, "commit_reserved() takes a leased block"
             assert meta.linked and meta.state is not committed, "a commit takes a linked pending block"
@@ -374,7 +375,14 @@ class BlockIndex:
             if checked and meta.host_slot is not None:
                 meta.host_checked = True
             meta.leases -= 1
-            refresh(meta)
+            if not meta.leases and not meta.queued and meta.gpu_slot is None and not meta.moving \
+                    and meta.host_slot is not None:
+                # The common block, a host copy now evictable: into the host queue as most
+                # recent (_refresh's answer: it was pending, so in no queue), without it.
+                host_classes[meta.priority][meta] = None
+                meta.queued = _HOST_BIT
+            else:
+                refresh(meta)
         self.pending -= len(metas)
 
     def unlink(self, meta: BlockMeta) -> None:

@@ -8,6 +8,7 @@ one through the batch step and one block by block, and compares everything obser
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 
@@ -268,3 +269,28 @@ def test_index_visible_many_equals_visible_of_each():
         index.commit_reserved(m, b"h", None, 16, 0, 0.0, checked=False)
     ask = [keys[i] for i in (7, 4, 1, 0, 6, 2, 4)]
     assert index.visible_many(ask) == [m for m in map(index.visible, ask) if m is not None] == [ms[4], ms[0], ms[2], ms[4]]
+
+
+def test_index_commit_reserved_many_queues_the_blocks_as_commit_reserved_does():
+    """Host blocks (one leased twice, one pinned higher, one moving) committed in one pass and
+    one by one: the same LRU queues, in the same order, and sound accounting."""
+    indexes = [BlockIndex({Tier.HOST: 100 * BLOCK}, num_classes=2) for _ in range(2)]
+    metas = []
+    for index in indexes:
+        keys = [NS + bytes([i]) * 32 for i in range(8)]
+        ms = index.add_reserved_many(keys, BLOCK, Tier.HOST, [Slot(0, i * BLOCK, BLOCK) for i in range(8)], 0)
+        ms[5].priority = 1  # a put of priority 1 among them (reserved so by add_reserved)
+        index.lease(ms[2])
+        index.set_moving(ms[6], True)
+        metas.append(ms)
+    h = SimpleNamespace(parent_hash=None, num_tokens=16, checksum=7)
+    one, many = indexes
+    for m in metas[0]:
+        one.commit_reserved(m, b"h", None, 16, 7, 1.0, checked=True)
+    many.commit_reserved_many(metas[1], [b"h"] * 8, [h] * 8, 1.0, True)
+    for index, ms in zip(indexes, metas):
+        index.set_moving(ms[6], False)
+        assert index.accounting_errors() == []
+    assert [m.key for m in one.victims(Tier.HOST)] == [m.key for m in many.victims(Tier.HOST)]
+    assert [(m.queued, m.leases, m.host_checked) for m in metas[0]] == \
+        [(m.queued, m.leases, m.host_checked) for m in metas[1]]

@@ -67,9 +67,9 @@ class BlockTokens:
         parent_hash: the previous block's chain hash, None for the first block of a prefix.
             Informational: the committed header's parent (``StoreEvent.parent_hash``) is what
             events publish.
-        tokens: the block's token ids (``block_tokens`` of them): a tuple of ints as a request
-            decodes them, or an ``array('I')``, which is copied in C without a Python int per id
-            (a data plane that keeps ids packed saves the per-id conversion, ~2 us a 256-token block).
+        tokens: the block's token ids (``block_tokens`` of them): an ``array('I')`` (or ``'Q'``)
+            as a request decodes them (:func:`kvtier_protocol.messages.token_lists`), copied in C
+            without a Python int per id; a tuple of ints is taken too.
         unit_hashes: the digest of each hash unit of the block, first unit first; the last one
             equals ``chain_hash``. Empty: one unit per block, or recomputed from the tokens.
     """

@@ -370,7 +370,7 @@ class RequestHandler:
                 raise InvalidRequest(f"commit: headers[{i}] names a key the reservation gave no slot")
 
     def _publishing(self, scope: Scope, ns_id: bytes, hashes: Sequence[bytes], headers: Sequence[bytes | None],
-                    tokens: Sequence[tuple[int, ...] | None] | None,
+                    tokens: Sequence[Sequence[int] | None] | None,
                     unit_hashes: Sequence[tuple[bytes, ...] | None] | None) -> list[BlockTokens | None]:
         """Before blocks are made visible: their token info for the events (checked: raises
         InvalidRequest), and their namespace registered from the headers if it is new."""
@@ -380,7 +380,7 @@ class RequestHandler:
 
     @staticmethod
     def _token_info(hashes: Sequence[bytes], headers: Sequence[bytes | None],
-                    tokens: Sequence[tuple[int, ...] | None] | None,
+                    tokens: Sequence[Sequence[int] | None] | None,
                     unit_hashes: Sequence[tuple[bytes, ...] | None] | None) -> list[BlockTokens | None]:
         """Per key, the token info to hand the event hub (None where the request carries none)."""
         out: list[BlockTokens | None] = [None] * len(hashes)

@@ -315,6 +315,7 @@ class BlockIndex:
         of granted slots instead of two calls per block.
         """
         blocks, by_ns, committed, refresh = self._blocks, self._by_ns, BlockState.COMMITTED, self._refresh
+        host_classes = self._lru[_HOST].classes
         for meta, key, buf, h in zip(metas, keys, headers, parsed):
             assert meta.linked and meta.state is not committed and meta.leases > 0, "place takes leased pending blocks"
             assert key not in blocks, "key already indexed"
@@ -341,7 +342,12 @@ class BlockIndex:
             if checked and meta.host_slot is not None:
                 meta.host_checked = True
             meta.leases -= 1
-            refresh(meta)
+            if not meta.leases and not meta.queued and meta.gpu_slot is None and not meta.moving \
+                    and meta.host_slot is not None:
+                host_classes[meta.priority][meta] = None  # _refresh's answer, as in commit_reserved_many
+                meta.queued = _HOST_BIT
+            else:
+                refresh(meta)
         self.pending -= len(metas)
 
     def commit_reserved(self, meta: BlockMeta, header: bytes, parent_hash: bytes | None, num_tokens: int,

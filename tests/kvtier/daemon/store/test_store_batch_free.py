@@ -294,3 +294,30 @@ def test_index_commit_reserved_many_queues_the_blocks_as_commit_reserved_does():
     assert [m.key for m in one.victims(Tier.HOST)] == [m.key for m in many.victims(Tier.HOST)]
     assert [(m.queued, m.leases, m.host_checked) for m in metas[0]] == \
         [(m.queued, m.leases, m.host_checked) for m in metas[1]]
+
+
+def test_index_place_many_queues_the_blocks_as_rename_and_commit_reserved_do():
+    """Granted host slots (one leased twice, one moving) placed in one pass and renamed and
+    committed one by one: the same LRU queues, in the same order, and sound accounting."""
+    indexes = [BlockIndex({Tier.HOST: 100 * BLOCK}, num_classes=2) for _ in range(2)]
+    grant_ns = bytes([0xFF]) * 16
+    metas = []
+    for index in indexes:
+        ms = index.add_reserved_many([grant_ns + bytes([i]) * 32 for i in range(8)], BLOCK, Tier.HOST,
+                                     [Slot(0, i * BLOCK, BLOCK) for i in range(8)], 1)
+        index.lease(ms[2])
+        index.set_moving(ms[6], True)
+        metas.append(ms)
+    keys = [NS + bytes([i]) * 32 for i in range(8)]
+    h = SimpleNamespace(parent_hash=None, num_tokens=16, checksum=7)
+    one, many = indexes
+    for m, k in zip(metas[0], keys):
+        one.rename(m, k, 3)
+        one.commit_reserved(m, b"h", None, 16, 7, 1.0, checked=True)
+    many.place_many(metas[1], keys, lambda key: 3, [b"h"] * 8, [h] * 8, 1.0, True)
+    for index, ms in zip(indexes, metas):
+        index.set_moving(ms[6], False)
+        assert index.accounting_errors() == []
+    assert [m.key for m in one.victims(Tier.HOST)] == [m.key for m in many.victims(Tier.HOST)] != []
+    assert [(m.key, m.queued, m.leases, m.prior_accesses) for m in metas[0]] == \
+        [(m.key, m.queued, m.leases, m.prior_accesses) for m in metas[1]]

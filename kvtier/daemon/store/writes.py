@@ -261,11 +261,16 @@ class BlockWriter:
         tiers = c.tiers
         mover = self.mover
         remote = mover.remote
-        if not any(m.gpu_slot is not None for m in metas):
+        host_bytes = 0
+        for meta in metas:
+            if meta.gpu_slot is not None:
+                break
+            host_bytes += meta.size
+        else:
             # The common batch, reserved in host: its events built and queued in one pass
-            # (emit_many), in the order the loop below would emit them.
-            assert not any(m.on_disk for m in metas), "a trusted commit writes nothing to disk"
-            tiers[_HOST].bytes_in += sum(m.size for m in metas)
+            # (emit_many), in the order the loop below would emit them. (Never on disk yet:
+            # commit_reserved_many and place_many assert it.)
+            tiers[_HOST].bytes_in += host_bytes
             mover.emit_many(_STORED, _HOST, metas)
             if remote is not None:
                 for meta in metas:

@@ -368,6 +368,11 @@ class DiskTier:
         record (one header read each). None exist unless something wrote files behind the tier."""
         with self._lock, storage_errors("scan"):
             self._check_open()
+            # Free files trimmed beyond the cap are unlinked on the reaper thread: until it has,
+            # they are neither live nor free and still hold their old record. Wait for it (no
+            # new trim can start: deletes and writes take this lock), or an audit under load
+            # reports a block deleted a moment ago as an orphan.
+            self._files.drain()
             live = {loc.fid for _, loc in self._meta.entries()}
             free = self._files.free_ids()
             out = []

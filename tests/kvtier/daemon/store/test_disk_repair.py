@@ -129,6 +129,29 @@ def test_unlisted_files_are_found_and_adopted_while_open(tmp_path: Path) -> None
         assert d.free_files()[0] == 1, "the second file of a listed key is free"
 
 
+def test_a_file_waiting_for_its_unlink_is_not_unlisted(tmp_path: Path) -> None:
+    """A deleted record's file trimmed beyond the free-file cap waits for the reaper thread to
+    unlink it, still holding its record: ``unlisted`` waits for pending unlinks rather than
+    report it (an audit under load reported blocks deleted a moment before as orphans)."""
+    import threading
+
+    recs = [make_rec(i) for i in range(2)]
+    with DiskTier(tmp_path / "disk", 1 << 30, keep_free_bytes=0) as d:
+        d.put_many([(_key(r), r.header, r.payload) for r in recs])
+        path = Path(d.file_path(_key(recs[0])))
+        gate = threading.Event()
+        d._files._reaper.submit(gate.wait)  # the reaper is busy: the next unlink waits behind it
+        d.delete_many([_key(recs[0])])  # its file is trimmed at once (no free file kept)
+        assert path.exists(), "the unlink is queued behind the gate"
+        found: list[list] = []
+        audit = threading.Thread(target=lambda: found.append(d.unlisted()))
+        audit.start()
+        gate.set()
+        audit.join()
+        assert found == [[]] and not path.exists()
+        assert _served(d, recs) == 1
+
+
 @pytest.mark.parametrize("kind", ("flip-largest-sst", "delete-current"))
 def test_the_offline_check_reports_the_repair_and_verifies_every_record(tmp_path: Path, kind: str) -> None:
     data_dir = tmp_path / "data"

@@ -120,8 +120,9 @@ def split_records(payload: Payload, lengths: tuple[int | None, ...]) -> list[mem
     return out
 
 
-def _per_key(name: str, value: Any, limits: Limits, item: Any) -> tuple[Any, ...]:
-    """An array of one entry per key, each nil or a non-empty array of ``item`` values."""
+def _per_key(name: str, value: Any, limits: Limits, convert: Any) -> tuple[Any, ...]:
+    """An array of one entry per key, each nil or a non-empty array, given to ``convert``
+    (which checks its values and returns what the message keeps)."""
     out = []
     for entry in array(name, value, limits):
         if entry is None:
@@ -131,7 +132,7 @@ def _per_key(name: str, value: Any, limits: Limits, item: Any) -> tuple[Any, ...
             raise InvalidRequest(f"{name}: each entry is nil or a non-empty array")
         if len(entry) > MAX_KEY_TOKENS:
             raise LimitExceeded(f"{name}: {len(entry)} entries for one key, limit {MAX_KEY_TOKENS}")
-        out.append(tuple(item(entry_value) for entry_value in entry))
+        out.append(convert(entry))
     return tuple(out)
 
 
@@ -140,20 +141,10 @@ def token_lists(name: str, value: Any, limits: Limits) -> tuple[IntArray | None,
     type ``"I"`` (ids below 2**32, the common case) or ``"Q"``.
 
     An array, not a tuple of ints: the ids are checked and packed in C (``array.array`` refuses
-    what is not an integer in range), so a 256-token block costs about a microsecond here instead of a
-    Python call per id, and the event hub takes the array as it is.
+    what is not an integer in range), so a 256-token block costs ~5 µs here instead of 40-80 µs of
+    a Python call per id, and the event hub takes the array as it is.
     """
-    out: list[IntArray | None] = []
-    for entry in array(name, value, limits):
-        if entry is None:
-            out.append(None)
-            continue
-        if not isinstance(entry, (list, tuple)) or not entry:
-            raise InvalidRequest(f"{name}: each entry is nil or a non-empty array")
-        if len(entry) > MAX_KEY_TOKENS:
-            raise LimitExceeded(f"{name}: {len(entry)} entries for one key, limit {MAX_KEY_TOKENS}")
-        out.append(_token_ids(name, entry))
-    return tuple(out)
+    return _per_key(name, value, limits, lambda entry: _token_ids(name, entry))
 
 
 def _ids_to_wire(tokens: TokenIds) -> list[Any]:
@@ -192,7 +183,8 @@ _ZERO_ONE = {n: (bytes(n), (1).to_bytes(n, sys.byteorder)) for n in (2, 4, 8)}
 def unit_hash_lists(name: str, value: Any,
                     limits: Limits) -> tuple[tuple[bytes, ...] | None, ...]:
     """``unit_hashes``: per key, nil or the block's hash-unit digests, first unit first."""
-    return _per_key(name, value, limits, lambda h: binary(name, h, MIN_HASH_LEN, MAX_HASH_LEN))
+    return _per_key(name, value, limits,
+                    lambda entry: tuple(binary(name, h, MIN_HASH_LEN, MAX_HASH_LEN) for h in entry))
 
 
 def boolean(name: str, value: Any, limits: Limits) -> bool:

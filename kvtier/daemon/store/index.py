@@ -16,6 +16,7 @@ Charges: a memory tier (GPU, host) is charged the payload size; the disk tier th
 from __future__ import annotations
 
 import enum
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -314,7 +315,7 @@ class BlockIndex:
         ``headers[i]`` and the summary ``parsed[i]``: the place hot path, one pass over a batch
         of granted slots instead of two calls per block.
         """
-        blocks, by_ns, committed, refresh = self._blocks, self._by_ns, BlockState.COMMITTED, self._refresh
+        blocks, by_ns, committed = self._blocks, self._by_ns, BlockState.COMMITTED
         host_classes = self._lru[_HOST].classes
         for meta, key, buf, h in zip(metas, keys, headers, parsed):
             assert meta.linked and meta.state is not committed and meta.leases > 0, "place takes leased pending blocks"
@@ -333,22 +334,30 @@ class BlockIndex:
             if ns_keys is None:
                 ns_keys = by_ns[key[:NS_ID_LEN]] = set()
             ns_keys.add(key)
-            meta.header = bytes(buf)
-            meta.parent_hash = h.parent_hash
-            meta.num_tokens = h.num_tokens
-            meta.checksum = h.checksum
-            meta.state = committed
-            meta.last_access = now
-            if checked and meta.host_slot is not None:
-                meta.host_checked = True
-            meta.leases -= 1
-            if not meta.leases and not meta.queued and meta.gpu_slot is None and not meta.moving \
-                    and meta.host_slot is not None:
-                host_classes[meta.priority][meta] = None  # _refresh's answer, as in commit_reserved_many
-                meta.queued = _HOST_BIT
-            else:
-                refresh(meta)
+            self._commit_leased(meta, buf, h, now, checked, host_classes)
         self.pending -= len(metas)
+
+    def _commit_leased(self, meta: BlockMeta, buf: bytes, h: BlockHeader, now: float, checked: bool,
+                       host_classes: list[OrderedDict[BlockMeta, None]]) -> None:
+        """One block of :meth:`place_many` / :meth:`commit_reserved_many`: commit it with header
+        ``buf`` (summary ``h``), mark its host copy checked, drop the batch's lease."""
+        meta.header = bytes(buf)
+        meta.parent_hash = h.parent_hash
+        meta.num_tokens = h.num_tokens
+        meta.checksum = h.checksum
+        meta.state = BlockState.COMMITTED
+        meta.last_access = now
+        if checked and meta.host_slot is not None:
+            meta.host_checked = True
+        meta.leases -= 1
+        if not meta.leases and not meta.queued and meta.gpu_slot is None and not meta.moving \
+                and meta.host_slot is not None:
+            # The common block, a host copy now evictable: into the host queue as most recent
+            # (_refresh's answer: it was pending, so in no queue), without it.
+            host_classes[meta.priority][meta] = None
+            meta.queued = _HOST_BIT
+        else:
+            self._refresh(meta)
 
     def commit_reserved(self, meta: BlockMeta, header: bytes, parent_hash: bytes | None, num_tokens: int,
                         checksum: int, now: float, *, checked: bool) -> None:
@@ -366,29 +375,13 @@ class BlockIndex:
                              parsed: Sequence[BlockHeader], now: float, checked: bool) -> None:
         """:meth:`commit_reserved` of each leased pending block ``metas[i]`` with ``headers[i]``
         and its summary ``parsed[i]``: a trusted commit's batch, in one pass."""
-        committed, refresh = BlockState.COMMITTED, self._refresh
+        committed = BlockState.COMMITTED
         host_classes = self._lru[_HOST].classes
         for meta, buf, h in zip(metas, headers, parsed):
             assert meta.leases > 0, "commit_reserved() takes a leased block"
             assert meta.linked and meta.state is not committed, "a commit takes a linked pending block"
             assert not meta.on_disk, "the disk charge depends on the header; place on disk after commit"
-            meta.header = bytes(buf)
-            meta.parent_hash = h.parent_hash
-            meta.num_tokens = h.num_tokens
-            meta.checksum = h.checksum
-            meta.state = committed
-            meta.last_access = now
-            if checked and meta.host_slot is not None:
-                meta.host_checked = True
-            meta.leases -= 1
-            if not meta.leases and not meta.queued and meta.gpu_slot is None and not meta.moving \
-                    and meta.host_slot is not None:
-                # The common block, a host copy now evictable: into the host queue as most
-                # recent (_refresh's answer: it was pending, so in no queue), without it.
-                host_classes[meta.priority][meta] = None
-                meta.queued = _HOST_BIT
-            else:
-                refresh(meta)
+            self._commit_leased(meta, buf, h, now, checked, host_classes)
         self.pending -= len(metas)
 
     def unlink(self, meta: BlockMeta) -> None:

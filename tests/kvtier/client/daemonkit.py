@@ -111,3 +111,19 @@ class Daemon:
         for path in glob.glob(f"/dev/shm/{self.shm_prefix}-*"):  # left only by a killed daemon
             os.unlink(path)
         return proc.returncode
+
+
+def demoting_blocks(seed: int, tag: bytes) -> tuple[list[bytes], list[tuple[bytes, bytes]]]:
+    """80 chained raw bfloat16 block records of 1 MiB (keys, (key, record) pairs): more than a
+    daemon's 64 MiB host tier holds, so saving them all demotes the first ones to disk."""
+    import torch
+
+    from kvtier_protocol.block import encode_block
+    from tests.kvtier.client.clientkit import NS_ID, key
+
+    g = torch.Generator().manual_seed(seed)
+    keys = [key(i, tag) for i in range(80)]
+    blocks = [(k, encode_block(torch.randn(32, 2, 8, 16, 64, generator=g).to(torch.bfloat16), ns_id=NS_ID,
+                               chain_hash=k, parent_hash=keys[i - 1] if i else None, layout="canonical"))
+              for i, k in enumerate(keys)]
+    return keys, blocks

@@ -17,7 +17,7 @@ from kvtier.client import AsyncClient, Client
 from kvtier_protocol.block import encode_block
 from kvtier_protocol.header import decode_header, split_record
 from tests.kvtier.client.clientkit import NS_ID, key
-from tests.kvtier.client.daemonkit import Daemon
+from tests.kvtier.client.daemonkit import Daemon, demoting_blocks
 
 
 
@@ -75,11 +75,7 @@ def test_a_daemon_with_an_int8_disk_tier_serves_exact_copies_only_to_whoever_ask
     directory = tempfile.mkdtemp(prefix="kvd-", dir="/tmp")
     d = Daemon(directory, env={"KVTIER_STORE__DISK_CODEC": "int8"}).start()
     try:
-        g = torch.Generator().manual_seed(1)
-        keys = [key(i, b"evicted") for i in range(80)]  # 80 blocks of 1 MiB: the first ones are demoted
-        blocks = [(k, encode_block(torch.randn(32, 2, 8, 16, 64, generator=g).to(torch.bfloat16), ns_id=NS_ID,
-                                   chain_hash=k, parent_hash=keys[i - 1] if i else None, layout="canonical"))
-                  for i, k in enumerate(keys)]
+        keys, blocks = demoting_blocks(1, b"evicted")  # 80 blocks of 1 MiB: the first ones are demoted
         with Client.connect(d.socket) as kv:
             for i in range(0, 80, 8):
                 assert kv.save(NS_ID, blocks[i:i + 8]) == ["stored"] * 8

@@ -19,7 +19,7 @@ from kvtier.client import AsyncClient, Client, GotRecord
 from kvtier_protocol.block import decode_block, encode_block
 from kvtier_protocol.header import split_record, verify_payload
 from tests.kvtier.client.clientkit import NS_ID, key
-from tests.kvtier.client.daemonkit import Daemon
+from tests.kvtier.client.daemonkit import Daemon, demoting_blocks
 from tests.kvtier.client.peer import Peer
 
 
@@ -91,11 +91,7 @@ def test_a_block_the_daemon_re_encoded_int8_for_disk_comes_back_decoded() -> Non
     directory = tempfile.mkdtemp(prefix="kvd-", dir="/tmp")
     d = Daemon(directory, env={"KVTIER_STORE__DISK_CODEC": "int8"}).start()
     try:
-        g = torch.Generator().manual_seed(2)
-        keys = [key(i, b"demoted") for i in range(80)]  # 80 blocks of 1 MiB: the first ones are demoted
-        blocks = [(k, encode_block(torch.randn(32, 2, 8, 16, 64, generator=g).to(torch.bfloat16), ns_id=NS_ID,
-                                   chain_hash=k, parent_hash=keys[i - 1] if i else None, layout="canonical"))
-                  for i, k in enumerate(keys)]
+        keys, blocks = demoting_blocks(2, b"demoted")  # 80 blocks of 1 MiB: the first ones are demoted
         with Client.connect(d.tcp, token=d.token) as kv:
             for i in range(0, 80, 8):
                 assert kv.save(NS_ID, blocks[i:i + 8]) == ["stored"] * 8

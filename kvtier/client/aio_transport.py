@@ -36,7 +36,7 @@ from kvtier.client.errors import ConnectionLost, TimedOut, Unreachable
 from kvtier.client.behind import LateErrors
 from kvtier.client.steps import IO, LEASE_OPS, Call, Receive, Send
 from kvtier.client.options import ClientOptions
-from kvtier.client.session import MAX_FDS, Session, hangup_probe, hello_keys, open_session
+from kvtier.client.session import MAX_FDS, Session, hangup_probe, hello_keys, open_session, release_keys
 from kvtier_protocol.frame_stream import FrameStream, read_frame, writes_gathered
 
 _FIRST_READ = 64 << 10
@@ -258,6 +258,8 @@ class AsyncConnection:
         Raises:
             ConnectionLost: the connection is broken.
         """
+        if call.op == "release" and not call.wait and self.session.quiet_release:  # nothing waits for it
+            return self._send_quiet(call.keys["lease"])
         await self._slots.acquire()
         try:
             if self._error is not None:
@@ -286,6 +288,20 @@ class AsyncConnection:
             self.forget(sent)
             raise
         return sent
+
+    def _send_quiet(self, lease: int) -> Sent:
+        """A quiet release (SPEC 7.4): written with nothing to wait for, no place in flight taken.
+        Its handle is done already, with nothing to claim; forgetting it is a no-op."""
+        if self._error is not None:
+            raise _fresh(self._error)
+        frame = encode_frame({"op": "release", "id": next(self._ids), **release_keys(self.session, lease)})
+        if self._writing.locked():  # a large frame is going out in slices: after it
+            self._held_back.append(frame)
+        else:
+            self._writer.writelines(frame)
+        future: asyncio.Future[Frame | None] = asyncio.get_running_loop().create_future()
+        future.set_result(None)
+        return Sent("release", future)  # type: ignore[arg-type]
 
     async def _write_sliced(self, buffers: list[Buffer]) -> None:
         """Write one large frame :data:`WRITE_SLICE_BYTES` at a time (under ``_writing``). A
@@ -321,6 +337,7 @@ class AsyncConnection:
             if future.done() and not future.cancelled():
                 self._abandoned(sent.op, future.result())
             raise
+        assert frame is not None, "a quiet release has no answer: nothing waits for one"
         raise_for_error(frame.header)
         try:
             return parse_response(sent.op, frame, limits=self.session.limits)
@@ -333,7 +350,7 @@ class AsyncConnection:
         future = sent.future
         if not future.done():
             future.cancel()  # the reader finds it done and hands the answer to _abandoned
-        elif not future.cancelled() and future.exception() is None:
+        elif not future.cancelled() and future.exception() is None and future.result() is not None:
             self._abandoned(sent.op, future.result())
 
     def _abandoned(self, op: str, frame: Frame) -> None:
@@ -342,8 +359,10 @@ class AsyncConnection:
         if op in LEASE_OPS and frame.header.get("ok") is True and type(lease) is int and lease > 0:
             if self._error is None:
                 ident = next(self._ids)
-                self._pending[ident] = None  # its answer is read and dropped
-                frame = encode_frame({"op": "release", "id": ident, "lease": lease})
+                keys = release_keys(self.session, lease)
+                if "quiet" not in keys:
+                    self._pending[ident] = None  # its answer is read and dropped
+                frame = encode_frame({"op": "release", "id": ident, **keys})
                 if self._writing.locked():  # a large frame is going out in slices: after it
                     self._held_back.append(frame)
                 else:

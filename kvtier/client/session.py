@@ -14,7 +14,7 @@ from typing import Any
 
 from kvtier_protocol import PROTOCOL_VERSION
 from kvtier_protocol.errors import UnsupportedVersion
-from kvtier_protocol.frames import HelloResponse, Limits
+from kvtier_protocol.frames import QUIET_RELEASE, HelloResponse, Limits
 
 from kvtier.client.grants import GrantPool, pool_limit
 from kvtier.client.options import ClientOptions
@@ -44,6 +44,8 @@ class Session:
             None (TCP, or ``ClientOptions.grant_bytes`` 0).
         peer_gone: whether the daemon has hung up this connection (set by the driver, see
             :func:`hangup_probe`); None: unknown.
+        quiet_release: the daemon announced ``quiet_release`` at hello: releases are sent
+            ``quiet`` (no answer written, none read; see :func:`release_keys`).
     """
 
     server: str
@@ -55,6 +57,7 @@ class Session:
     write_behind: bool = False
     grants: GrantPool | None = None
     peer_gone: Callable[[], bool] | None = None
+    quiet_release: bool = False
 
     @property
     def piped(self) -> bool:
@@ -81,6 +84,14 @@ def hangup_probe(fd: int, closed: Callable[[], bool]) -> Callable[[], bool]:
     poller = select.poll()
     poller.register(fd, select.POLLRDHUP)  # POLLHUP and POLLERR are always reported
     return lambda: closed() or bool(poller.poll(0))
+
+
+def release_keys(session: Session, lease: int) -> dict[str, Any]:
+    """The keys of a ``release`` of ``lease`` that nothing waits for: ``quiet`` where the daemon
+    takes it. No flow waits for a release (a lost one expires on its own), so its answer would
+    only be read to be dropped: one frame less each way per load (SPEC 7.4). A release sent with
+    ``wait`` (a caller that wants to know it took) is answered as ever."""
+    return {"lease": lease, "quiet": True} if session.quiet_release else {"lease": lease}
 
 
 def hello_keys(options: ClientOptions) -> dict[str, Any]:
@@ -121,4 +132,5 @@ def open_session(response: HelloResponse, fds: Sequence[int], options: ClientOpt
     return Session(server=response.server, limits=response.limits, shm=shm, lease_ms=lease_ms,
                    trust_checked=options.verify == "auto", pipeline_bytes=options.pipeline_bytes,
                    write_behind=options.write_behind,
-                   grants=GrantPool(limit) if shm is not None and limit > 0 else None)
+                   grants=GrantPool(limit) if shm is not None and limit > 0 else None,
+                   quiet_release=QUIET_RELEASE in (response.features or ()))

@@ -43,7 +43,7 @@ from kvtier.client.behind import LateErrors
 from kvtier.client.steps import IO, JUMP_OPS, LEASE_OPS, Call, Landing, Receive, Send
 from kvtier.client.options import ClientOptions
 from kvtier.client.retry import remaining_s
-from kvtier.client.session import MAX_FDS, Session, hangup_probe, hello_keys, open_session
+from kvtier.client.session import MAX_FDS, Session, hangup_probe, hello_keys, open_session, release_keys
 
 _IOV_MAX = 1024  # buffers per sendmsg (Linux UIO_MAXIOV)
 _FIRST_READ = 64 << 10
@@ -231,13 +231,18 @@ class BlockingConnection:
         assert session is not None, "hello precedes every call"
         self._live()
         ident = next(self._ids)
+        keys = call.keys
+        quiet = call.op == "release" and not call.wait and session.quiet_release
+        if quiet:  # nothing waits for it: answered with nothing, not in flight, forgetting it a no-op
+            keys = release_keys(session, keys["lease"])
         # a request above the limits: the caller's error, raised before anything is queued
-        frame = encode_frame({"op": call.op, "id": ident, **call.keys}, call.payload, limits=session.limits)
+        frame = encode_frame({"op": call.op, "id": ident, **keys}, call.payload, limits=session.limits)
         if call.op in JUMP_OPS:
             self._outbox[:0] = frame  # ahead of held-back commits and releases (steps.JUMP_OPS)
         else:
             self._outbox += frame
-        self._inflight[ident] = call.op
+        if not quiet:
+            self._inflight[ident] = call.op
         if call.into is not None:
             self._landings[ident] = call.into
         if call.defer:
@@ -351,9 +356,12 @@ class BlockingConnection:
         lease = frame.header.get("lease")
         if op in LEASE_OPS and frame.header.get("ok") is True and type(lease) is int and lease > 0:
             release = next(self._ids)
-            self._send(encode_frame({"op": "release", "id": release, "lease": lease}), deadline)
-            self._inflight[release] = "release"
-            self._forgotten.add(release)
+            session = self.session
+            assert session is not None, "hello precedes every call"
+            self._send(encode_frame({"op": "release", "id": release, **release_keys(session, lease)}), deadline)
+            if not session.quiet_release:  # its answer is read and dropped
+                self._inflight[release] = "release"
+                self._forgotten.add(release)
 
     def _check_id(self, frame: Frame, ident: int) -> None:
         if frame.id == ident:

@@ -201,8 +201,13 @@ def decoded_codecs(name: str, value: Any, limits: Limits) -> tuple[str | None, .
 
 
 # Registered with the other checkers so that a key name keeps one meaning in every message.
+def text_list(name: str, value: Any, limits: Limits) -> tuple[str, ...]:
+    """An array of texts (a hello response's ``features``)."""
+    return tuple(text(name, v, limits) for v in array(name, value, limits))
+
+
 CHECKERS.update(tokens=token_lists, unit_hashes=unit_hash_lists, accept_lossy=boolean, decode=boolean,
-                decoded=decoded_codecs)
+                decoded=decoded_codecs, quiet=boolean, features=text_list)
 
 
 def check_token_info(op: str, num_keys: int, tokens: TokenIds | None,
@@ -309,6 +314,9 @@ class ReleaseRequest(Message):
     OP: ClassVar[str] = "release"
     id: int
     lease: int
+    # True: answered with nothing, success or error (SPEC 7.4 release) — only to a daemon whose
+    # hello announced ``quiet_release`` (:data:`kvtier_protocol.responses.QUIET_RELEASE`).
+    quiet: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,11 @@ from kvtier_protocol.frame_codec import Limits, Payload
 from kvtier_protocol.messages import OPS, Message, payload_len, same_len, split_records
 from kvtier_protocol.wire_checks import EXISTS, Segment, SlotRef
 
+QUIET_RELEASE = "quiet_release"
+"""A hello ``features`` name: the server takes ``release`` with ``quiet`` true and answers it
+with nothing (SPEC.md 7.4), so a client that never waits for a release neither reads its answer
+nor makes the server write one."""
+
 
 @dataclass(frozen=True, slots=True)
 class HelloResponse(Message):
@@ -27,6 +32,9 @@ class HelloResponse(Message):
     limits: Limits
     segments: tuple[Segment, ...]  # index in this list = the segment number in slots
     fds: int  # descriptors attached to this frame: len(segments) on unix sockets, 0 on TCP
+    # What the server does beyond this version's baseline (SPEC 7.4 hello), e.g. QUIET_RELEASE;
+    # a client ignores names it does not know. None: nothing (servers before the key).
+    features: tuple[str, ...] | None = None
 
     def _check(self, limits: Limits) -> None:
         if self.fds not in (0, len(self.segments)):

@@ -113,8 +113,9 @@ def hello_responses(draw: Any) -> fr.HelloResponse:
     limits = fr.Limits(*(draw(st.integers(1, 2**32 - 1)) for _ in range(5)))
     segs = tuple(draw(st.lists(st.builds(fr.Segment, texts, st.integers(1, 2**40)), max_size=3)))
     fds = draw(st.sampled_from([0, len(segs)]))
+    features = draw(st.none() | st.lists(texts, max_size=3).map(tuple))
     return fr.HelloResponse(draw(ids), draw(st.integers(1, 0xFFFF)), draw(texts), limits, segs,
-                            fds)
+                            fds, features)
 
 
 requests = st.one_of(
@@ -125,7 +126,7 @@ requests = st.one_of(
     st.builds(fr.CommitRequest, ids, u64,
               st.lists(st.none() | st.binary(min_size=1, max_size=30), max_size=5).map(tuple)),
     st.builds(fr.AcquireRequest, ids, ns_ids, hashes, lease_ms),
-    st.builds(fr.ReleaseRequest, ids, u64),
+    st.builds(fr.ReleaseRequest, ids, u64, st.none() | st.booleans()),
     put_requests(),
     st.builds(fr.GetRequest, ids, ns_ids, hashes),
     st.builds(fr.DeleteRequest, ids, ns_ids, hashes),
@@ -340,6 +341,7 @@ PLACE = fr.PlaceRequest(4, 7, NS, (H[0], H[1]), (0, 1), (b"h0", b"h1"))
     (header_of(fr.HelloRequest(1, 1, "c"), version=0), InvalidRequest),
     (header_of(fr.HelloRequest(1, 1, "c"), client="x" * 2000), LimitExceeded),
     (header_of(fr.ReleaseRequest(1, 5), lease=-5), InvalidRequest),
+    (header_of(fr.ReleaseRequest(1, 5), quiet=1), InvalidRequest),  # a bool, never an integer
     (header_of(fr.CommitRequest(1, 5, (b"h",)), headers=[1]), InvalidRequest),
     (header_of(GRANT, sizes=[100, 0]), InvalidRequest),
     (header_of(GRANT, sizes=[(256 << 20) + 1]), LimitExceeded),

@@ -61,6 +61,8 @@ log = logging.getLogger(__name__)
 
 MUTATING_OPS = ("delete", "clear")  # need the token over TCP (SPEC §7.4)
 FDS_SEND_TIMEOUT_S = 5.0  # how long the hello response may wait for room in the socket buffer
+_FEATURES = (fr.QUIET_RELEASE,)
+"""What this daemon announces in its hello response (SPEC 7.4 ``features``)."""
 JOIN_WRITE_BYTES = 1 << 20  # frames up to this size are written with one joined buffer (where writelines joins)
 HELLO_MAX_BYTES = 16 << 10  # largest frame header before the hello (a hello: token <= 1 KiB, names)
 HELLO_STREAM_LIMIT = 64 << 10  # bytes buffered ahead of the reader before the hello (then the full limit)
@@ -222,7 +224,8 @@ class Connection:
                 await self._serve_one(frame)  # nothing overlaps the hello and its descriptors
                 if self.session.hello_done:
                     self._hello_succeeded()
-            elif len(self._tasks) >= self.limits.max_inflight:
+            elif len(self._tasks) >= self.limits.max_inflight and frame.op != "release":
+                # (a release is never busy: it is answered at once, and it frees what others wait for)
                 busy = Busy(f"more than {self.limits.max_inflight} requests in flight")
                 self.ctx.metrics.observe_request(_op_label(frame.op), busy.code, 0.0)
                 await self._send(fr.error_response(frame.id, busy, _known_op(frame.op)))
@@ -317,8 +320,10 @@ class Connection:
         started, and answered when they finish at once, in the order they came."""
         started = time.perf_counter()
         op = _known_op(frame.op)
+        quiet = False
         try:
             req = fr.validate_request(frame, limits=self.limits)
+            quiet = req.__class__ is fr.ReleaseRequest and req.quiet is True  # type: ignore[attr-defined]
             if isinstance(req, fr.HelloRequest) or not self.handler.runs_inline(req, self.session):
                 return asyncio.create_task(self._serve_one(frame, req, started))
             self._check_allowed(req)
@@ -343,6 +348,11 @@ class Connection:
             status = "internal"
             log.exception("%s: %s request %d failed", self.peer, op or "unknown", frame.id)
             bufs = fr.encode_frame(fr.error_response(frame.id, exc, op), limits=self.limits)
+        if quiet:  # SPEC 7.4 release: no answer, success or error; the metrics still count it
+            if status != "ok":
+                log.debug("%s: quiet release %d failed: %s", self.peer, frame.id, status)
+            self.ctx.metrics.observe_request(_op_label(op), status, time.perf_counter() - started)
+            return None
         written = self._write_now(bufs)
         self.ctx.metrics.observe_request(_op_label(op), status, time.perf_counter() - started)
         if written:
@@ -434,7 +444,7 @@ class Connection:
         infos = host.segments if host is not None and not self.session.tcp else []
         segments = tuple(fr.Segment(s.name, s.size) for s in infos)
         response = fr.HelloResponse(req.id, fr.FRAME_VERSION, f"kvtierd {self.ctx.version}",
-                                    self.limits, segments, len(segments))
+                                    self.limits, segments, len(segments), _FEATURES)
         bufs = fr.encode_message(response, limits=self.limits)
         if infos:
             await self._send_with_fds(b"".join(bufs), [s.fd for s in infos])

@@ -58,6 +58,7 @@ class Peer:
         self.grants: dict[int, list[tuple[int, int, int] | None]] = {}  # grant -> slots not placed yet
         self.speaks_grants = True  # False: answers grant and place as an unknown op (an older daemon)
         self.fail_on: dict[str, KVTierError] = {}  # op -> the error its next request is answered with
+        self.quiet_release = False  # True: hello announces quiet_release, quiet releases get no answer
         self.inflight = self.most_inflight = 0  # requests being answered now / at most so far
         self.writers: set[asyncio.StreamWriter] = set()
         self.loop = asyncio.new_event_loop()
@@ -143,7 +144,8 @@ class Peer:
             return False
         segments = (F.Segment("peer-0", self.size),) if unix else ()
         resp = F.HelloResponse(id=req.id, version=1, server="peer", limits=self.limits,
-                               segments=segments, fds=len(segments))
+                               segments=segments, fds=len(segments),
+                               features=(F.QUIET_RELEASE,) if self.quiet_release else None)
         data = b"".join(F.encode_message(resp))
         if unix:  # descriptors travel with the frame's bytes: one sendmsg on a dup of the socket
             with socket.socket(fileno=os.dup(writer.get_extra_info("socket").fileno())) as s:
@@ -193,9 +195,16 @@ class Peer:
             resp: Any = getattr(self, f"_op_{op}")(req)
             if getattr(resp, "lease", 0):
                 owned.add(resp.lease)
-            writer.writelines(F.encode_message(resp))
+            if not self._quiet(req):
+                writer.writelines(F.encode_message(resp))
         except KVTierError as exc:
-            writer.writelines(F.encode_frame(F.error_response(frame.id, exc, op)))
+            if not self._quiet(frame):
+                writer.writelines(F.encode_frame(F.error_response(frame.id, exc, op)))
+
+    def _quiet(self, req: Any) -> bool:
+        """A release sent quiet to a peer that announced it: answered with nothing (SPEC 7.4)."""
+        header = req.header if isinstance(req, F.Frame) else {"op": req.OP, "quiet": getattr(req, "quiet", None)}
+        return self.quiet_release and header.get("op") == "release" and header.get("quiet") is True
 
     # -- the toy store -------------------------------------------------------------------------
 

@@ -180,3 +180,18 @@ async def test_a_release_due_while_a_large_frame_goes_out_follows_that_frame(pee
         assert conn._held_back == []
         assert eventually(lambda: peer.ops["release"] == 1)
         assert await kv.load(NS_ID, [k for k, _ in blocks]) == [r for _, r in blocks]
+
+
+@pytest.mark.parametrize("announced", [True, False])
+async def test_releases_go_quiet_only_to_a_daemon_that_announced_it(peer: Peer, announced: bool) -> None:
+    peer.quiet_release = announced  # False: a daemon from before SPEC 7.4's quiet releases
+    blocks = make_blocks(3, 4096)
+    keys = [k for k, _ in blocks]
+    async with await AsyncClient.connect(peer.unix_path) as kv:
+        assert await kv.save(NS_ID, blocks) == ["stored"] * 3
+        for _ in range(3):  # each load's release: answered and dropped, or never answered
+            assert await kv.load(NS_ID, keys) == [r for _, r in blocks]
+        assert kv.session.quiet_release is announced
+        assert await kv.ping() > 0
+        assert eventually(lambda: peer.ops["release"] >= 3 and not peer.leases)
+        assert (peer.last["release"].quiet is True) is announced

@@ -279,3 +279,18 @@ def test_tensors_round_trip(peer: Peer) -> None:
         assert kv.load_tensors(ns, [key(9)]) == []
         header, _ = decode_header(kv.load(ns.ns_id, hashes[1:2])[0])
         assert header.ns_fields == ns.to_wire() and header.parent_hash == hashes[0]
+
+
+@pytest.mark.parametrize("announced", [True, False])
+def test_releases_go_quiet_only_to_a_daemon_that_announced_it(peer: Peer, announced: bool) -> None:
+    peer.quiet_release = announced  # False: a daemon from before SPEC 7.4's quiet releases
+    blocks = make_blocks(3, 4096)
+    keys = [k for k, _ in blocks]
+    with Client(peer.unix_path) as kv:
+        assert kv.save(NS_ID, blocks) == ["stored"] * 3
+        for _ in range(3):  # each load's release: answered and dropped, or never answered
+            assert kv.load(NS_ID, keys) == [r for _, r in blocks]
+        assert kv.session.quiet_release is announced
+        assert kv.ping() > 0
+        assert eventually(lambda: peer.ops["release"] >= 3 and not peer.leases)
+        assert (peer.last["release"].quiet is True) is announced

@@ -531,3 +531,48 @@ async def test_a_closed_connection_is_freed_without_the_cyclic_collector(tmp_pat
             await eventually(lambda: stream() is None and served() is None)
         finally:
             gc.enable()
+
+
+async def test_quiet_release_ends_the_lease_and_is_never_answered(tmp_path):
+    async with open_plane(tmp_path) as p:
+        writer, _ = await unix_peer(p)
+        reader, hello = await unix_peer(p)
+        assert fr.QUIET_RELEASE in hello["features"]
+        recs = make_recs(2)
+        assert ok(await shm_put(writer, recs))["committed"] == 2
+        got = ok(await reader.call("acquire", ns_id=NS.ns_id, hashes=[r.chain_hash for r in recs]))
+        assert len(p.store._leases) == 1
+        await reader.send({"op": "release", "lease": got["lease"], "quiet": True})
+        # An unknown lease, quiet too: no error answered either, the connection goes on.
+        await reader.send({"op": "release", "lease": got["lease"] + 1000, "quiet": True})
+        # The next answer on the stream is the ping's: neither release wrote one.
+        ping = await reader.send({"op": "ping"})
+        assert ok(await reader.recv())["id"] == ping
+        assert len(p.store._leases) == 0
+        # Handled in order like any other request: the lease is gone for a second release.
+        assert err(await reader.call("release", lease=got["lease"])) == "lease"
+        # `quiet` that is not a bool is the request's error, answered as usual.
+        assert err(await reader.call("release", lease=0, quiet=1)) == "invalid_request"
+        m = p.ctx.metrics.registry.get_sample_value(
+            "kvtier_requests_total", {"op": "release", "status": "lease"})
+        assert m is not None and m >= 2  # the quiet failure is counted with the answered one
+
+
+async def test_a_release_is_never_busy(tmp_path):
+    async with open_plane(tmp_path, max_inflight=2) as p:
+        peer, _ = await unix_peer(p)
+        recs = make_recs(1)
+        assert ok(await shm_put(peer, recs))["committed"] == 1
+        got = ok(await peer.call("acquire", ns_id=NS.ns_id, hashes=[recs[0].chain_hash]))
+        # Behind 20 deletes (each in a task of its own, so the in-flight limit is reached) a
+        # quiet release and an answered one: both are served, neither is `busy`.
+        deletes = [fr.encode_frame_bytes({"op": "delete", "id": i, "ns_id": NS.ns_id, "hashes": [bytes(32)]})
+                   for i in range(100, 120)]
+        quiet = fr.encode_frame_bytes({"op": "release", "id": 200, "lease": got["lease"], "quiet": True})
+        answered = fr.encode_frame_bytes({"op": "release", "id": 201, "lease": 0})
+        await peer.send_bytes(b"".join([*deletes, quiet, answered]))
+        replies = {r.id: r for r in [await peer.recv() for _ in range(21)]}
+        assert sorted(replies) == [*range(100, 120), 201]  # nothing for the quiet one
+        assert ok(replies[201])
+        assert {err(r) for i, r in replies.items() if i != 201 and not r.header["ok"]} <= {"busy"}
+        assert len(p.store._leases) == 0

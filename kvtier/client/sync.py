@@ -100,7 +100,8 @@ class Client(ClientCore):
             pass  # recorded as late by the connection
 
     def _flush_held(self) -> None:
-        """Write held-back write-behind commits that no request took along (DeferredFlush).
+        """Write held-back write-behind commits and quiet releases that no request took along
+        (DeferredFlush).
 
         Not while a call runs: it takes them along, or holds its own and arms the flush again
         when it ends (a flush queued behind it would write them before the next save's reserve).
@@ -128,7 +129,7 @@ class Client(ClientCore):
             else:
                 self._holddown.reset()
                 if self._conn is not None and self._conn.holding:
-                    self._flusher.arm()  # a write-behind commit waits for the next request, not long
+                    self._flusher.arm()  # a write-behind commit or a quiet release waits for the next request, not long
         return job.finish(result)
 
     def _attempts(self, make_flow: FlowFactory, idempotent: bool) -> Any:

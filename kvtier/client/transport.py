@@ -105,6 +105,7 @@ class BlockingConnection:
         self._forgotten: set[int] = set()  # ids whose answers are dropped when they arrive
         self._outbox: list[Buffer] = []  # frames of deferred requests, written with the next write
         self._held: set[int] = set()  # ids of the requests in _outbox
+        self._held_quiet = 0  # how many of them are quiet releases (no answer to come)
         self._landings: dict[int, Landing] = {}  # id -> where the payloads of that get may land
         self._kept: list[int] = []  # write-behind commits whose answers are claimed later, oldest first
         self.late = LateErrors()  # what became of refused or lost write-behind commits
@@ -199,12 +200,14 @@ class BlockingConnection:
     def finish(self, keep: list[int], forget: list[int], deadline: float) -> None:
         """After a flow: keep the write-behind requests ``keep`` (held back a while: the next
         request takes them along), forget the others of ``forget``, and write what is deferred
-        (releases, commits) unless something was kept."""
+        (releases, commits) unless something was kept, or all that is held back is quiet
+        releases: those wait for the next request too (one write, one wake-up of the daemon for
+        both; the client flushes them within ``behind.FLUSH_AFTER_S`` if none comes)."""
         for ident in keep:
             self.keep(ident)
         for ident in forget:
             self.forget(ident, deadline)
-        if not self.closed and not keep:
+        if not self.closed and not keep and len(self._held) > self._held_quiet:
             try:
                 self.flush(deadline)
             except KVTierError:
@@ -247,6 +250,7 @@ class BlockingConnection:
             self._landings[ident] = call.into
         if call.defer:
             self._held.add(ident)
+            self._held_quiet += quiet
         else:
             self.flush(deadline)
         return ident
@@ -261,6 +265,7 @@ class BlockingConnection:
             return
         out, self._outbox = self._outbox, []
         self._held.clear()
+        self._held_quiet = 0
         try:
             self._send(out, deadline)
         except BaseException:
@@ -531,6 +536,7 @@ class BlockingConnection:
         self._forgotten.clear()
         self._outbox.clear()
         self._held.clear()
+        self._held_quiet = 0
         self._landings.clear()
         self._buffers.close()
         if self._kept:

@@ -205,3 +205,28 @@ def test_without_write_behind_a_save_waits_for_its_commit(peer: Peer) -> None:
         assert peer.arrivals[6:] == ["grant", "place", "place"]
         kv.flush()  # nothing to wait for
         assert kv.late_failures == 0
+
+
+def test_a_quiet_release_waits_for_the_next_request(peer: Peer, monkeypatch: pytest.MonkeyPatch) -> None:
+    peer.quiet_release = True
+    monkeypatch.setattr(behind, "FLUSH_AFTER_S", 30.0)  # held until a request takes it along
+    blocks = make_blocks(2, 4096)
+    keys = [k for k, _ in blocks]
+    with Client(peer.unix_path) as kv:
+        assert kv.save(NS_ID, blocks) == ["stored"] * 2
+        assert kv.load(NS_ID, keys) == [r for _, r in blocks]
+        assert peer.ops["release"] == 0 and len(peer.leases) == 1  # still in the client's outbox
+        assert kv.ping() > 0  # written with the ping, ahead of it: read before the ping is answered
+        assert peer.ops["release"] == 1 and not peer.leases
+        assert kv.load(NS_ID, keys) == [r for _, r in blocks]
+    assert eventually(lambda: peer.ops["release"] == 2 and not peer.leases)  # close wrote what was held back
+
+
+def test_a_held_quiet_release_leaves_on_its_own(peer: Peer) -> None:
+    peer.quiet_release = True
+    blocks = make_blocks(2, 4096)
+    with Client(peer.unix_path) as kv:
+        assert kv.save(NS_ID, blocks) == ["stored"] * 2
+        assert kv.load(NS_ID, [k for k, _ in blocks]) == [r for _, r in blocks]
+        # Nothing else is sent: the release leaves within FLUSH_AFTER_S and ends the lease.
+        assert eventually(lambda: peer.ops["release"] == 1 and not peer.leases)

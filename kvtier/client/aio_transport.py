@@ -34,7 +34,7 @@ from kvtier_protocol.buffers import PayloadBuffers
 from kvtier_protocol.address import Address
 from kvtier.client.errors import ConnectionLost, TimedOut, Unreachable
 from kvtier.client.behind import LateErrors
-from kvtier.client.steps import IO, LEASE_OPS, Call, Receive, Send
+from kvtier.client.steps import IO, Call, Receive, Send, granted_lease
 from kvtier.client.options import ClientOptions
 from kvtier.client.session import MAX_FDS, Session, hangup_probe, hello_keys, open_session, release_keys
 from kvtier_protocol.frame_stream import FrameStream, read_frame, writes_gathered
@@ -355,8 +355,8 @@ class AsyncConnection:
 
     def _abandoned(self, op: str, frame: Frame) -> None:
         """Release the lease of a response nobody waits for any more."""
-        lease = frame.header.get("lease")
-        if op in LEASE_OPS and frame.header.get("ok") is True and type(lease) is int and lease > 0:
+        lease = granted_lease(op, frame.header)
+        if lease:
             if self._error is None:
                 ident = next(self._ids)
                 keys = release_keys(self.session, lease)

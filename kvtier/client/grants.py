@@ -9,6 +9,11 @@ it while the client copies::
 
     save k:    grant(n) ── copy k into granted slots ── place k ── (refill answered meanwhile)
 
+A daemon that announces ``place_grant`` takes the refill in the place itself (SPEC.md §7.4 place
+``grant_sizes``): one request per save, the next save's slots in the place's answer::
+
+    save k:    copy k into granted slots ── place k + refill(n) ── (slots for save k+1 answered)
+
 This module is the pool's bookkeeping only (no requests); the save that uses it is
 ``kvtier.client.save.granted_save_flow``. The pool holds the slots of one connection (the daemon frees them when it ends), by payload
 size and priority, each with the time its grant lapses. It stays small: at most ``limit_bytes``

@@ -207,8 +207,12 @@ def granted_save_flow(s: Session, ns_id: bytes, records: list[Record], extras: E
         yield Call("release", {"lease": lease}, best_effort=True, wait=False, defer=True)
     taken = pool.take(size, priority, len(records))
     ask = len(records) - pool.held(size, priority)
+    # A daemon that takes the refill with the place (SPEC 7.4 place grant_sizes) gets one request
+    # per save; its slots come with the place's answer, before the next save needs them. (Not
+    # write-behind: its places are answered later, the next save would find the pool empty.)
+    merged = taken is not None and ask > 0 and s.place_grant and not s.write_behind
     refill: tuple[Ticket, float] | None = None
-    if ask > 0:  # sent now (deferred behind a reserve): the daemon grants while the client copies
+    if ask > 0 and not merged:  # sent now (deferred behind a reserve): the daemon grants while the client copies
         ticket = yield Call("grant", {"sizes": [size] * ask, "lease_ms": s.lease_ms, "priority": priority},
                             wait=False, defer=taken is None)
         refill = (ticket, pool.now())
@@ -220,7 +224,9 @@ def granted_save_flow(s: Session, ns_id: bytes, records: list[Record], extras: E
     yield from _copy_into(s, records, taken)
     if refill is not None:  # answered while the client copied; claimed before the place is sent,
         yield from _shelve(s, pool, refill, size, priority, ask)  # so a lost refill is still retried
-    places = yield from _place_flow(s, ns_id, records, extras, taken)
+    grant = {"grant_sizes": [size] * ask, "grant_lease_ms": s.lease_ms, "grant_priority": priority} if merged else None
+    asked_at = pool.now()
+    places = yield from _place_flow(s, ns_id, records, extras, taken, grant)
     if s.write_behind:  # the connection claims the places' answers later (kvtier.client.behind)
         return ["stored"] * len(records)
     results = []
@@ -235,6 +241,9 @@ def granted_save_flow(s: Session, ns_id: bytes, records: list[Record], extras: E
             raise
         expect_len("place", r.results, end - start)
         results.extend(r.results)
+        if r.grant_lease:  # the refill, with the last place
+            expect_len("place grant_slots", r.grant_slots or (), ask)
+            pool.add(size, priority, r.grant_lease, r.grant_slots or (), s.lease_ms, asked_at)
     return results
 
 
@@ -279,28 +288,34 @@ def _shelve(s: Session, pool: GrantPool, refill: tuple[Ticket, float], size: int
 
 
 def _place_flow(s: Session, ns_id: bytes, records: list[Record], extras: Extras,
-                taken: list[Granted]) -> Flow[list[tuple[Ticket, int, int]]]:
+                taken: list[Granted], grant: dict[str, Any] | None = None) -> Flow[list[tuple[Ticket, int, int]]]:
     """Place the records copied into ``taken``, in batches within the daemon's limits, one place
-    per grant a batch spans. Returns each place's ticket and the records it names,
-    ``records[start:end]`` (write-behind: none, the connection keeps them)."""
+    per grant a batch spans; ``grant``: the refill's keys, sent with the last place. Returns each
+    place's ticket and the records it names, ``records[start:end]`` (write-behind: none, the
+    connection keeps them)."""
     behind = s.write_behind
-    # Write-behind: sent at once, so the daemon places while the caller prepares its next save
-    # (held back, it would wait for that save's grant); else written as the save awaits it.
-    out: list[tuple[Ticket, int, int]] = []
+    runs: list[tuple[int, int]] = []
     for lo, hi in save_batches(s, records):
         start = lo
         while start < hi:  # the run of this batch that one grant holds
             end = start + 1
             while end < hi and taken[end].lease == taken[start].lease:
                 end += 1
-            keys: dict[str, Any] = {
-                "lease": taken[start].lease, "ns_id": ns_id, "hashes": [rec.key for rec in records[start:end]],
-                "positions": [g.position for g in taken[start:end]],
-                "headers": [rec.header for rec in records[start:end]], **_extras_of(extras, start, end)}
-            ticket = yield Call("place", keys, commits=True, wait=False, defer=not behind, behind=behind)
-            if not behind:
-                out.append((ticket, start, end))
+            runs.append((start, end))
             start = end
+    # Write-behind: sent at once, so the daemon places while the caller prepares its next save
+    # (held back, it would wait for that save's grant); else written as the save awaits it.
+    out: list[tuple[Ticket, int, int]] = []
+    for k, (start, end) in enumerate(runs):
+        keys: dict[str, Any] = {
+            "lease": taken[start].lease, "ns_id": ns_id, "hashes": [rec.key for rec in records[start:end]],
+            "positions": [g.position for g in taken[start:end]],
+            "headers": [rec.header for rec in records[start:end]], **_extras_of(extras, start, end)}
+        if grant is not None and k == len(runs) - 1:
+            keys.update(grant)
+        ticket = yield Call("place", keys, commits=True, wait=False, defer=not behind, behind=behind)
+        if not behind:
+            out.append((ticket, start, end))
     return out
 
 

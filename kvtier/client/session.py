@@ -14,7 +14,7 @@ from typing import Any
 
 from kvtier_protocol import PROTOCOL_VERSION
 from kvtier_protocol.errors import UnsupportedVersion
-from kvtier_protocol.frames import QUIET_RELEASE, HelloResponse, Limits
+from kvtier_protocol.frames import PLACE_GRANT, QUIET_RELEASE, HelloResponse, Limits
 
 from kvtier.client.grants import GrantPool, pool_limit
 from kvtier.client.options import ClientOptions
@@ -46,6 +46,8 @@ class Session:
             :func:`hangup_probe`); None: unknown.
         quiet_release: the daemon announced ``quiet_release`` at hello: releases are sent
             ``quiet`` (no answer written, none read; see :func:`release_keys`).
+        place_grant: the daemon announced ``place_grant``: a save into granted slots asks for
+            its refill in its ``place`` (kvtier.client.save.granted_save_flow).
     """
 
     server: str
@@ -58,6 +60,7 @@ class Session:
     grants: GrantPool | None = None
     peer_gone: Callable[[], bool] | None = None
     quiet_release: bool = False
+    place_grant: bool = False
 
     @property
     def piped(self) -> bool:
@@ -133,4 +136,5 @@ def open_session(response: HelloResponse, fds: Sequence[int], options: ClientOpt
                    trust_checked=options.verify == "auto", pipeline_bytes=options.pipeline_bytes,
                    write_behind=options.write_behind,
                    grants=GrantPool(limit) if shm is not None and limit > 0 else None,
-                   quiet_release=QUIET_RELEASE in (response.features or ()))
+                   quiet_release=QUIET_RELEASE in (response.features or ()),
+                   place_grant=PLACE_GRANT in (response.features or ()))

@@ -40,6 +40,15 @@ Ticket = NewType("Ticket", int)
 LEASE_OPS = ("acquire", "reserve", "grant")
 """Requests whose answer grants a lease: a forgotten answer of one is released."""
 
+
+def granted_lease(op: str, header: dict[str, Any]) -> int:
+    """The lease a successful answer of ``op`` grants (``lease`` of :data:`LEASE_OPS`, a place's
+    refill ``grant_lease``), 0 if none: what a forgotten answer must release."""
+    if header.get("ok") is not True:
+        return 0
+    lease = header.get("lease") if op in LEASE_OPS else header.get("grant_lease") if op == "place" else None
+    return lease if type(lease) is int and lease > 0 else 0
+
 BLIND_OPS = frozenset({"reserve", "commit", "release", "ping", "grant", "place"})
 """Requests that may travel while write-behind commits (or places) are unanswered: none of them
 reads what a commit changes (a reserve of a key being committed answers "exists", as it would

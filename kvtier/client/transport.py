@@ -40,7 +40,7 @@ from kvtier_protocol.header import PREAMBLE as RECORD_PREAMBLE, decode_header as
 from kvtier_protocol.address import Address
 from kvtier.client.errors import ConnectionLost, TimedOut, Unreachable
 from kvtier.client.behind import LateErrors
-from kvtier.client.steps import IO, JUMP_OPS, LEASE_OPS, Call, Landing, Receive, Send
+from kvtier.client.steps import IO, JUMP_OPS, Call, Landing, Receive, Send, granted_lease
 from kvtier.client.options import ClientOptions
 from kvtier.client.retry import remaining_s
 from kvtier.client.session import MAX_FDS, Session, hangup_probe, hello_keys, open_session, release_keys
@@ -358,8 +358,8 @@ class BlockingConnection:
         self._forgotten.discard(ident)
         self._landings.pop(ident, None)
         op = self._inflight.pop(ident)
-        lease = frame.header.get("lease")
-        if op in LEASE_OPS and frame.header.get("ok") is True and type(lease) is int and lease > 0:
+        lease = granted_lease(op, frame.header)
+        if lease:
             release = next(self._ids)
             session = self.session
             assert session is not None, "hello precedes every call"

@@ -34,7 +34,7 @@ from kvtier_protocol.messages import (OPS, REQUESTS, AcquireRequest, ClearReques
                                       LookupRequest, Message, PingRequest, PlaceRequest, PutRequest,
                                       ReleaseRequest, Request, ReserveRequest, StatsRequest,
                                       split_records)
-from kvtier_protocol.responses import (QUIET_RELEASE, RESPONSES, AcquireResponse, ClearResponse, CommitResponse,
+from kvtier_protocol.responses import (PLACE_GRANT, QUIET_RELEASE, RESPONSES, AcquireResponse, ClearResponse, CommitResponse,
                                        DeleteResponse, GetResponse, GrantResponse, HelloResponse,
                                        LookupResponse, PingResponse, PlaceResponse, PutResponse,
                                        ReleaseResponse, ReserveResponse, Response, StatsResponse)
@@ -49,7 +49,7 @@ the server closes the connection after sending it. Clients number their requests
 __all__ = [
     "CONNECTION_ERROR_ID", "DEFAULT_LEASE_MS", "DEFAULT_LIMITS", "EXISTS", "FLAG_PAYLOAD",
     "FRAME_VERSION", "MAGIC", "MAX_HASH_LEN", "MAX_TEXT_LEN", "MIN_HASH_LEN", "NS_ID_LEN", "OPS",
-    "PREAMBLE", "PREAMBLE_LEN", "PUT_RESULTS", "QUIET_RELEASE", "REQUESTS", "RESPONSES", "TIER_NAMES",
+    "PLACE_GRANT", "PREAMBLE", "PREAMBLE_LEN", "PUT_RESULTS", "QUIET_RELEASE", "REQUESTS", "RESPONSES", "TIER_NAMES",
     "AcquireRequest", "AcquireResponse", "Buffer", "ClearRequest", "ClearResponse",
     "CommitRequest", "CommitResponse", "DeleteRequest", "DeleteResponse", "Frame", "FrameDecoder",
     "GetRequest", "GetResponse", "GrantRequest", "GrantResponse", "HelloRequest", "HelloResponse",

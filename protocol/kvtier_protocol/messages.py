@@ -430,8 +430,16 @@ class PlaceRequest(Message):
     headers: tuple[bytes | None, ...]  # encoded block header per key (never nil in a place)
     tokens: TokenIds | None = None  # as in commit (SPEC 7.4.1)
     unit_hashes: tuple[tuple[bytes, ...] | None, ...] | None = None
+    # The refill: after the place, grant slots of these sizes as a ``grant`` of them would (its
+    # lease and slots come in the response), so that a stream of saves makes one request each.
+    # Only to a daemon whose hello announced PLACE_GRANT.
+    grant_sizes: tuple[int, ...] | None = None
+    grant_lease_ms: int | None = None  # as grant's lease_ms (absent: its default)
+    grant_priority: int | None = None  # as grant's priority (absent: 0)
 
     def _check(self, limits: Limits) -> None:
+        if self.grant_sizes is None and (self.grant_lease_ms is not None or self.grant_priority is not None):
+            raise InvalidRequest("place: grant_lease_ms and grant_priority need grant_sizes")
         same_len(self.OP, hashes=self.hashes, positions=self.positions, headers=self.headers)
         if any(h is None for h in self.headers):
             raise InvalidRequest("place: every key has a header")

@@ -14,6 +14,9 @@ from kvtier_protocol.frame_codec import Limits, Payload
 from kvtier_protocol.messages import OPS, Message, payload_len, same_len, split_records
 from kvtier_protocol.wire_checks import EXISTS, Segment, SlotRef
 
+PLACE_GRANT = "place_grant"
+"""A hello ``features`` name: the server takes ``place`` with ``grant_sizes`` (the refill of a
+client's granted slots, SPEC.md 7.4), so a stream of saves costs one request each, not two."""
 QUIET_RELEASE = "quiet_release"
 """A hello ``features`` name: the server takes ``release`` with ``quiet`` true and answers it
 with nothing (SPEC.md 7.4), so a client that never waits for a release neither reads its answer
@@ -215,6 +218,16 @@ class PlaceResponse(Message):
     IS_RESPONSE: ClassVar[bool] = True
     id: int
     results: tuple[str, ...]
+    # The refill's grant (a place with grant_sizes): as a grant response's lease and slots
+    # (lease 0, slots absent: no slot could be given, or the refill was refused).
+    grant_lease: int | None = None
+    grant_slots: tuple[SlotRef | str | None, ...] | None = None
+
+    def _check(self, limits: Limits) -> None:
+        if self.grant_slots is not None and any(s == EXISTS for s in self.grant_slots):
+            raise InvalidRequest("place: grant_slots are slots or nil")
+        if self.grant_slots is not None and not self.grant_lease:
+            raise InvalidRequest("place: grant_slots come with a grant_lease")
 
 
 Response = (HelloResponse | LookupResponse | ReserveResponse | CommitResponse | AcquireResponse

@@ -242,6 +242,9 @@ CHECKERS: dict[str, Checker] = {
     "num_hits": unsigned, "tiers": tiers, "slots": slots, "results": put_results,
     "committed": unsigned, "deleted": unsigned, "stats": stats_map, "verified": flags,
     "positions": positions,
+    # place's refill (SPEC 7.4 place): the keys of a grant, answered as a grant's are
+    "grant_sizes": sizes, "grant_lease_ms": lease_ms, "grant_priority": priority,
+    "grant_lease": unsigned, "grant_slots": slots,
 }
 """Checker of every header field, by name: a name means the same thing in every message."""
 

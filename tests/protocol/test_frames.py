@@ -82,7 +82,22 @@ def place_requests(draw: Any) -> fr.PlaceRequest:
     keys = draw(hashes)
     positions = tuple(draw(st.integers(0, 4095)) for _ in keys)
     headers = tuple(draw(st.binary(min_size=1, max_size=30)) for _ in keys)
-    return fr.PlaceRequest(draw(ids), draw(u64), draw(ns_ids), keys, positions, headers)
+    if not draw(st.booleans()):
+        return fr.PlaceRequest(draw(ids), draw(u64), draw(ns_ids), keys, positions, headers)
+    refill = tuple(draw(st.lists(rec_lens, max_size=5)))  # the next save's slots (SPEC 7.4)
+    return fr.PlaceRequest(draw(ids), draw(u64), draw(ns_ids), keys, positions, headers,
+                           grant_sizes=refill, grant_lease_ms=draw(st.none() | lease_ms),
+                           grant_priority=draw(st.none() | priorities))
+
+
+@st.composite
+def place_responses(draw: Any) -> fr.PlaceResponse:
+    results = tuple(draw(st.lists(st.sampled_from(fr.PUT_RESULTS), max_size=5)))
+    if not draw(st.booleans()):
+        return fr.PlaceResponse(draw(ids), results)
+    lease = draw(u64)
+    slots = tuple(draw(st.lists(slot | st.none(), max_size=5))) if lease else None
+    return fr.PlaceResponse(draw(ids), results, lease, slots)
 
 
 @st.composite
@@ -157,7 +172,7 @@ responses = st.one_of(
         texts, scalars | st.dictionaries(texts, scalars, max_size=3), max_size=5)),
     st.builds(fr.PingResponse, ids),
     st.builds(fr.GrantResponse, ids, u64, st.lists(slot | st.none(), max_size=5).map(tuple)),
-    st.builds(fr.PlaceResponse, ids, st.lists(st.sampled_from(fr.PUT_RESULTS), max_size=5).map(tuple)),
+    place_responses(),
 )
 
 
@@ -342,6 +357,9 @@ PLACE = fr.PlaceRequest(4, 7, NS, (H[0], H[1]), (0, 1), (b"h0", b"h1"))
     (header_of(fr.HelloRequest(1, 1, "c"), client="x" * 2000), LimitExceeded),
     (header_of(fr.ReleaseRequest(1, 5), lease=-5), InvalidRequest),
     (header_of(fr.ReleaseRequest(1, 5), quiet=1), InvalidRequest),  # a bool, never an integer
+    (header_of(PLACE, grant_sizes=[100, 0]), InvalidRequest),
+    (header_of(PLACE, grant_lease_ms=1000), InvalidRequest),  # a refill's lease without its sizes
+    (header_of(PLACE, grant_sizes=[100], grant_priority=128), InvalidRequest),
     (header_of(fr.CommitRequest(1, 5, (b"h",)), headers=[1]), InvalidRequest),
     (header_of(GRANT, sizes=[100, 0]), InvalidRequest),
     (header_of(GRANT, sizes=[(256 << 20) + 1]), LimitExceeded),
@@ -400,6 +418,10 @@ def test_malformed_response_is_a_frame_error() -> None:
         fr.parse_response("acquire", {**acquire, "headers": [None]})
     with pytest.raises(FrameError):
         fr.parse_response("acquire", {**acquire, "slots": ["exists"]})
+    place = fr.PlaceResponse(1, ("stored",), 9, ((0, 0, 10),)).to_header()
+    for bad in ({**place, "grant_slots": ["exists"]}, {**place, "grant_lease": 0}):
+        with pytest.raises(FrameError):
+            fr.parse_response("place", bad)
 
 
 # --- errors --------------------------------------------------------------------------------

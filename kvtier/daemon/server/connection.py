@@ -61,7 +61,7 @@ log = logging.getLogger(__name__)
 
 MUTATING_OPS = ("delete", "clear")  # need the token over TCP (SPEC §7.4)
 FDS_SEND_TIMEOUT_S = 5.0  # how long the hello response may wait for room in the socket buffer
-_FEATURES = (fr.QUIET_RELEASE,)
+_FEATURES = (fr.PLACE_GRANT, fr.QUIET_RELEASE)
 """What this daemon announces in its hello response (SPEC 7.4 ``features``)."""
 JOIN_WRITE_BYTES = 1 << 20  # frames up to this size are written with one joined buffer (where writelines joins)
 HELLO_MAX_BYTES = 16 << 10  # largest frame header before the hello (a hello: token <= 1 KiB, names)

@@ -222,13 +222,36 @@ class RequestHandler:
         if done.count(_PLACED) == len(done):  # the common place: every key new and stored
             if tokens_given:
                 _note_tokens(scope, req.ns_id, tokens, [True] * len(done))
-            return fr.PlaceResponse(req.id, ("stored",) * len(done))
-        ok = [d is PlaceStatus.PLACED for d in done]
-        failed = sum(d is PlaceStatus.FAILED for d in done)
-        if failed:  # all or nothing, like commit
-            await _undo(store, req.ns_id, req.hashes, ok, failed, before)
-        _note_tokens(scope, req.ns_id, tokens, ok)
-        return fr.PlaceResponse(req.id, tuple("stored" if good else "exists" for good in ok))
+            results: tuple[str, ...] = ("stored",) * len(done)
+        else:
+            ok = [d is PlaceStatus.PLACED for d in done]
+            failed = sum(d is PlaceStatus.FAILED for d in done)
+            if failed:  # all or nothing, like commit
+                await _undo(store, req.ns_id, req.hashes, ok, failed, before)
+            _note_tokens(scope, req.ns_id, tokens, ok)
+            results = tuple("stored" if good else "exists" for good in ok)
+        if req.grant_sizes is None:
+            return fr.PlaceResponse(req.id, results)
+        lease, slots = await self._refill(req, session, store)
+        return fr.PlaceResponse(req.id, results, lease, slots)
+
+    async def _refill(self, req: fr.PlaceRequest, session: Session,
+                      store: TieredStore) -> tuple[int, tuple[fr.SlotRef | None, ...] | None]:
+        """The grant a place asks for after it (SPEC 7.4 place ``grant_sizes``): as :meth:`_grant`
+        makes it. The place has taken effect by now, so a refill the store refuses (no size it
+        could ever hold) is answered as no grant, lease 0, never as the place's error."""
+        lease_ms = fr.DEFAULT_LEASE_MS if req.grant_lease_ms is None else req.grant_lease_ms
+        sizes = req.grant_sizes or ()
+        try:
+            res = await store.grant(sizes, lease_s=lease_ms / 1000,
+                                    priority=_priority(store, req.grant_priority or 0))
+        except KVTierError as exc:
+            log.debug("place %d: refill of %d slots refused: %s", req.id, len(sizes), exc.message)
+            return 0, None
+        if not res.lease_id:
+            return 0, None
+        session.leases[res.lease_id] = GrantLease(set(range(res.num_reserved)))
+        return res.lease_id, tuple(res.slots)
 
     async def _acquire(self, req: fr.AcquireRequest, session: Session) -> fr.Message:
         got = await self.scope(session).store.acquire(req.ns_id, req.hashes, lease_s=req.lease_ms / 1000,

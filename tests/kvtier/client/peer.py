@@ -59,6 +59,7 @@ class Peer:
         self.speaks_grants = True  # False: answers grant and place as an unknown op (an older daemon)
         self.fail_on: dict[str, KVTierError] = {}  # op -> the error its next request is answered with
         self.quiet_release = False  # True: hello announces quiet_release, quiet releases get no answer
+        self.place_grant = False  # True: hello announces place_grant, a place makes its refill
         self.inflight = self.most_inflight = 0  # requests being answered now / at most so far
         self.writers: set[asyncio.StreamWriter] = set()
         self.loop = asyncio.new_event_loop()
@@ -145,7 +146,8 @@ class Peer:
         segments = (F.Segment("peer-0", self.size),) if unix else ()
         resp = F.HelloResponse(id=req.id, version=1, server="peer", limits=self.limits,
                                segments=segments, fds=len(segments),
-                               features=(F.QUIET_RELEASE,) if self.quiet_release else None)
+                               features=tuple(f for f, on in ((F.QUIET_RELEASE, self.quiet_release),
+                                                              (F.PLACE_GRANT, self.place_grant)) if on) or None)
         data = b"".join(F.encode_message(resp))
         if unix:  # descriptors travel with the frame's bytes: one sendmsg on a dup of the socket
             with socket.socket(fileno=os.dup(writer.get_extra_info("socket").fileno())) as s:
@@ -279,7 +281,11 @@ class Peer:
         if not any(granted):
             del self.grants[r.lease]
         self.blocks.update(kv for kv, res in zip(staged, results) if res == "stored")
-        return F.PlaceResponse(id=r.id, results=tuple(results))
+        if r.grant_sizes is None or not self.place_grant:
+            return F.PlaceResponse(id=r.id, results=tuple(results))
+        refill = self._op_grant(F.GrantRequest(r.id, r.grant_sizes))
+        return F.PlaceResponse(id=r.id, results=tuple(results), grant_lease=refill.lease,
+                               grant_slots=refill.slots if refill.lease else None)
 
     def _op_acquire(self, r: F.AcquireRequest) -> F.AcquireResponse:
         found = [self.blocks.get((r.ns_id, h)) for h in r.hashes]

@@ -85,10 +85,12 @@ def test_pool_limit_is_a_share_of_the_host_segments() -> None:
 
 
 @pytest.mark.parametrize("driver", ["sync", "aio"])
-@pytest.mark.parametrize("speaks", [True, False])
-def test_saves_through_granted_slots_and_without_them(make_peer, speaks: bool, driver: str) -> None:
+@pytest.mark.parametrize("speaks, merged", [(True, True), (True, False), (False, False)],
+                         ids=["place-grant", "grant-then-place", "no-grants"])
+def test_saves_through_granted_slots_and_without_them(make_peer, speaks: bool, merged: bool, driver: str) -> None:
     peer: Peer = make_peer()
     peer.speaks_grants = speaks  # False: an older daemon, which refuses grant as an unknown op
+    peer.place_grant = merged  # True: each place asks for the next save's slots (SPEC 7.4)
     chains = [make_blocks(4, 4 * KIB, tag=b"pool-%d" % i) for i in range(4)]
     if driver == "sync":
         with Client(peer.unix_path) as kv:
@@ -102,7 +104,10 @@ def test_saves_through_granted_slots_and_without_them(make_peer, speaks: bool, d
         saved, loaded = asyncio.run(run())
     assert saved == [["stored"] * 4] * 4
     assert loaded == [[r for _, r in blocks] for blocks in chains]
-    if speaks:  # the first save reserves, the others copy into the slots the one before got
+    if merged:  # the first save reserves and asks for a grant, each later one is one place
+        assert peer.ops["reserve"] == 1 and peer.ops["place"] == 3 and peer.ops["grant"] == 1
+        assert not peer.grants or peer.grants.keys() == {max(peer.grants)}  # the last refill, held
+    elif speaks:  # the first save reserves, the others copy into the slots the one before got
         assert peer.ops["reserve"] == 1 and peer.ops["place"] == 3 and peer.ops["grant"] == 4
     else:  # the first refusal turns the pool off: every save reserves, one grant was tried
         assert peer.ops["reserve"] == 4 and peer.ops["grant"] == 1 and peer.ops["place"] == 0
@@ -147,3 +152,14 @@ def test_slots_granted_by_a_daemon_that_hung_up_are_never_written(make_peer, dri
         assert saved == ["stored"] * 4
     assert len(held) == 4 and untouched(held, before)
     assert peer.ops["hello"] == 2 and peer.ops["place"] == 0  # the second save reserved on the new connection
+
+
+def test_the_lease_a_forgotten_answer_must_release() -> None:
+    from kvtier.client.steps import granted_lease
+    ok = {"ok": True}
+    assert granted_lease("grant", {**ok, "lease": 7}) == 7 and granted_lease("acquire", {**ok, "lease": 3}) == 3
+    assert granted_lease("place", {**ok, "results": ["stored"], "grant_lease": 9}) == 9  # a place's refill
+    assert granted_lease("place", {**ok, "results": ["stored"]}) == 0
+    assert granted_lease("place", {**ok, "grant_lease": 0}) == 0
+    assert granted_lease("grant", {"ok": False, "lease": 7}) == 0  # an error grants nothing
+    assert granted_lease("ping", {**ok, "lease": 7}) == 0 and granted_lease("grant", {**ok, "lease": True}) == 0

@@ -60,12 +60,10 @@ assert kv.save(NS_ID, make_blocks(2, 1 << 20, tag=b"granted-first")) == ["stored
 conn = kv._conn
 records = prepare_records(NS_ID, make_blocks(2, 1 << 20, tag=b"killed-granted"))
 flow = save_flow(conn.session, NS_ID, records, None, None, 0)
-grant = next(flow)  # the refill for the next save: the pool had these two slots
-assert grant.op == "grant", grant
-ident = conn.send(grant, time.monotonic() + 60)
-claim = flow.send(ident)  # payloads are in the granted slots now; the refill's answer is claimed next
-place = flow.send(conn.receive(ident, time.monotonic() + 60))
-assert place.op == "place", place
+# The pool had these two slots: the payloads are in them now, and the place (never sent) asks
+# for the next save's slots too (SPEC 7.4 place grant_sizes, announced as place_grant).
+place = next(flow)
+assert place.op == "place" and place.keys["grant_sizes"] == [1 << 20] * 2, place
 print("copied", flush=True)
 threading.Event().wait()  # hangs until the test kills it
 """

@@ -100,3 +100,47 @@ async def test_a_bad_payload_fails_the_whole_place_under_verify_on_commit(tmp_pa
         assert err(frame) == "checksum_mismatch"
         assert p.store.lookup(NS.ns_id, [recs[0].chain_hash]).num_hits == 0  # all or nothing
         assert p.store.gauges().pending == 0 and p.store.index.used[Tier.HOST] == 0
+
+
+async def test_a_place_asks_for_the_next_saves_slots(tmp_path):
+    async with open_plane(tmp_path) as p:
+        peer, hello = await unix_peer(p)
+        assert "place_grant" in hello["features"]
+        recs = make_recs(4)
+        grant = ok(await peer.call("grant", sizes=[BLOCK] * 2))
+        for rec, slot in zip(recs[:2], grant["slots"]):
+            write(peer, slot, rec.payload)
+        placed = ok(await peer.call("place", lease=grant["lease"], ns_id=NS.ns_id,
+                                    hashes=[r.chain_hash for r in recs[:2]], positions=[0, 1],
+                                    headers=[r.header for r in recs[:2]],
+                                    grant_sizes=[BLOCK] * 2, grant_lease_ms=5000, grant_priority=1))
+        assert placed["results"] == ["stored", "stored"]
+        refill = placed["grant_lease"]
+        assert refill and refill != grant["lease"] and all(s is not None for s in placed["grant_slots"])
+        assert p.store.gauges().pending == 2  # the refill's slots, granted
+        # The refill is a grant like any other: placed, used up, ended.
+        for rec, slot in zip(recs[2:], placed["grant_slots"]):
+            write(peer, slot, rec.payload)
+        again = ok(await peer.call("place", lease=refill, ns_id=NS.ns_id,
+                                   hashes=[r.chain_hash for r in recs[2:]], positions=[0, 1],
+                                   headers=[r.header for r in recs[2:]]))
+        assert again["results"] == ["stored", "stored"] and "grant_lease" not in again
+        assert p.store.gauges().pending == 0 and p.store.lookup(NS.ns_id, [r.chain_hash for r in recs]).num_hits == 4
+        assert err(await peer.call("release", lease=refill)) == "lease"
+
+
+async def test_a_refill_the_store_refuses_leaves_the_place_standing(tmp_path):
+    async with open_plane(tmp_path) as p:
+        peer, _ = await unix_peer(p)
+        rec = make_recs(1)[0]
+        grant = ok(await peer.call("grant", sizes=[BLOCK] * 2))
+        write(peer, grant["slots"][0], rec.payload)
+        too_big = p.store.host.capacity + BLOCK  # no host tier could ever hold it
+        placed = ok(await peer.call("place", lease=grant["lease"], ns_id=NS.ns_id, hashes=[rec.chain_hash],
+                                    positions=[0], headers=[rec.header], grant_sizes=[too_big]))
+        assert placed["results"] == ["stored"] and placed["grant_lease"] == 0 and "grant_slots" not in placed
+        assert p.store.lookup(NS.ns_id, [rec.chain_hash]).num_hits == 1 and p.store.gauges().pending == 1
+        # A refused place asks for nothing: its slots stay granted, no refill is made.
+        assert err(await peer.call("place", lease=grant["lease"], ns_id=NS.ns_id, hashes=[rec.chain_hash],
+                                   positions=[5], headers=[rec.header], grant_sizes=[BLOCK])) == "invalid_request"
+        assert p.store.gauges().pending == 1 and len(p.store._leases) == 1

@@ -13,8 +13,8 @@ from contextlib import asynccontextmanager
 import pytest
 
 from kvtier_protocol.buffers import PayloadBuffers
-from kvtier_protocol.frame_stream import (IN_PLACE_PAYLOAD_BYTES, POOLED_PAYLOAD_BYTES, SCRATCH_BYTES, FrameStream,
-                                          read_frame)
+from kvtier_protocol.frame_stream import (IN_PLACE_PAYLOAD_BYTES, POOLED_PAYLOAD_BYTES, SCRATCH_BYTES,
+                                          WOKEN_READ_AHEAD_BYTES, FrameStream, read_frame)
 from kvtier_protocol import frames as fr
 from kvtier_protocol.errors import Truncated
 
@@ -104,6 +104,44 @@ async def test_a_payload_bigger_than_the_limit_while_the_reader_is_slow() -> Non
         body = bytearray(len(payload))
         await stream.read_into(memoryview(body))  # resumes, receives the rest in place
         assert body == payload
+        await sender
+
+
+def test_a_woken_reader_finds_little_read_ahead_and_the_rest_lands_in_place() -> None:
+    # On uvloop, as the daemon runs: libuv reads a readable socket again and again in one
+    # callback (up to 32 receives) before the woken reader runs, where asyncio's loop reads once.
+    uvloop = pytest.importorskip("uvloop")
+    # Fits the socket's send buffer (sent below without the loop running), and is more than the
+    # woken reader's read-ahead plus one receive.
+    payload = os.urandom(2 * SCRATCH_BYTES + (32 << 10))
+
+    async def main() -> None:
+        async with stream_pair() as (stream, _, peer):
+            async def reader() -> tuple[bytes, int, bytearray]:
+                head = await stream.readexactly(4)
+                found = stream.buffered  # as the daemon's read loop finds it, about to read in place
+                body = bytearray(len(payload))
+                await stream.read_into(memoryview(body))
+                return head, found, body
+
+            reading = asyncio.create_task(reader())
+            await asyncio.sleep(0)  # the reader waits for its bytes
+            peer.sendall(b"HEAD" + payload)  # all of it in the socket before the loop reads any
+            head, found, body = await reading
+            # Reading paused once the woken reader was a little behind (without the pause, every
+            # byte would have been buffered); the rest was received in place.
+            assert head == b"HEAD" and found <= WOKEN_READ_AHEAD_BYTES + SCRATCH_BYTES
+            assert body == payload
+
+    uvloop.run(main())
+
+
+async def test_a_read_longer_than_the_woken_read_ahead_completes() -> None:
+    data = os.urandom(4 * WOKEN_READ_AHEAD_BYTES + 5)  # a large header: read through the pauses
+    async with stream_pair() as (stream, _, peer):
+        sender = asyncio.create_task(_send(peer, data))
+        async with asyncio.timeout(60):
+            assert await stream.readexactly(len(data)) == data
         await sender
 
 

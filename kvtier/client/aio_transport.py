@@ -294,11 +294,7 @@ class AsyncConnection:
         Its handle is done already, with nothing to claim; forgetting it is a no-op."""
         if self._error is not None:
             raise _fresh(self._error)
-        frame = encode_frame({"op": "release", "id": next(self._ids), **release_keys(self.session, lease)})
-        if self._writing.locked():  # a large frame is going out in slices: after it
-            self._held_back.append(frame)
-        else:
-            self._writer.writelines(frame)
+        self._write_unwaited(encode_frame({"op": "release", "id": next(self._ids), **release_keys(self.session, lease)}))
         future: asyncio.Future[Frame | None] = asyncio.get_running_loop().create_future()
         future.set_result(None)
         return Sent("release", future)  # type: ignore[arg-type]
@@ -359,14 +355,17 @@ class AsyncConnection:
         if lease:
             if self._error is None:
                 ident = next(self._ids)
-                keys = release_keys(self.session, lease)
-                if "quiet" not in keys:
+                if not self.session.quiet_release:
                     self._pending[ident] = None  # its answer is read and dropped
-                frame = encode_frame({"op": "release", "id": ident, **keys})
-                if self._writing.locked():  # a large frame is going out in slices: after it
-                    self._held_back.append(frame)
-                else:
-                    self._writer.writelines(frame)
+                self._write_unwaited(encode_frame({"op": "release", "id": ident, **release_keys(self.session, lease)}))
+
+    def _write_unwaited(self, frame: list[Buffer]) -> None:
+        """Write a small frame nothing waits to send (a release): at once, or after the large
+        frame going out in slices (under ``_writing``), never inside it."""
+        if self._writing.locked():
+            self._held_back.append(frame)
+        else:
+            self._writer.writelines(frame)
 
     async def _read_loop(self) -> None:
         error: BaseException = ConnectionLost(f"daemon at {self._address} closed the connection")

@@ -197,13 +197,8 @@ class RequestHandler:
         return fr.CommitResponse(req.id, sum(ok))
 
     async def _grant(self, req: fr.GrantRequest, session: Session) -> fr.Message:
-        store = self.scope(session).store
-        res = await store.grant(req.sizes, lease_s=req.lease_ms / 1000,
-                                priority=_priority(store, req.priority))
-        if res.lease_id:  # the granted slots are a prefix of the sizes: FULL from the first without room
-            session.leases[res.lease_id] = GrantLease(set(range(res.num_reserved)))
-        # A Slot is the (segment, offset, length) tuple of the wire's SlotRef: sent as it is.
-        return fr.GrantResponse(req.id, res.lease_id, tuple(res.slots))
+        lease, slots = await _granted(self.scope(session).store, session, req.sizes, req.lease_ms, req.priority)
+        return fr.GrantResponse(req.id, lease, slots)
 
     async def _place(self, req: fr.PlaceRequest, session: Session) -> fr.Message:
         info = _held(session, req.lease, GrantLease, "grant")
@@ -243,15 +238,11 @@ class RequestHandler:
         lease_ms = fr.DEFAULT_LEASE_MS if req.grant_lease_ms is None else req.grant_lease_ms
         sizes = req.grant_sizes or ()
         try:
-            res = await store.grant(sizes, lease_s=lease_ms / 1000,
-                                    priority=_priority(store, req.grant_priority or 0))
+            lease, slots = await _granted(store, session, sizes, lease_ms, req.grant_priority or 0)
         except KVTierError as exc:
             log.debug("place %d: refill of %d slots refused: %s", req.id, len(sizes), exc.message)
             return 0, None
-        if not res.lease_id:
-            return 0, None
-        session.leases[res.lease_id] = GrantLease(set(range(res.num_reserved)))
-        return res.lease_id, tuple(res.slots)
+        return (lease, slots) if lease else (0, None)
 
     async def _acquire(self, req: fr.AcquireRequest, session: Session) -> fr.Message:
         got = await self.scope(session).store.acquire(req.ns_id, req.hashes, lease_s=req.lease_ms / 1000,
@@ -426,6 +417,17 @@ def _held(session: Session, lease: int, kind: type[T], what: str) -> T:
     if not isinstance(info, kind):
         raise LeaseError(f"no {what} {lease} on this connection")
     return info
+
+
+async def _granted(store: TieredStore, session: Session, sizes: Sequence[int], lease_ms: int,
+                   wire_priority: int) -> tuple[int, tuple[fr.SlotRef | None, ...]]:
+    """Grant slots of ``sizes`` on ``session`` (a ``grant``, or a place's refill): the lease (0:
+    no slot given) and, per size, its slot or None. Raises what the store raises."""
+    res = await store.grant(sizes, lease_s=lease_ms / 1000, priority=_priority(store, wire_priority))
+    if res.lease_id:  # the granted slots are a prefix of the sizes: FULL from the first without room
+        session.leases[res.lease_id] = GrantLease(set(range(res.num_reserved)))
+    # A Slot is the (segment, offset, length) tuple of the wire's SlotRef: sent as it is.
+    return res.lease_id, tuple(res.slots)
 
 
 def _priority(store: TieredStore, wire_priority: int) -> int:
